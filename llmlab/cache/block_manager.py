@@ -1,0 +1,154 @@
+"""Which KV-cache block holds which tokens: allocation, reference counts, prefix hashes,
+and the host-side blocks used when a request is swapped out.
+
+A request's `block_table[i]` is the physical block holding its tokens
+i*block_size .. (i+1)*block_size - 1. Blocks are shared only when full and identified
+by a hash chain of their tokens (prefix caching, as in vLLM): block i's hash covers
+every token up to the end of block i, so equal hashes mean equal prefixes. A shared block
+is never written again, so no copy-on-write is needed. A full block whose last owner
+finished stays in the cache ("evictable") until its space is needed, least recently used first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from llmlab.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = False):
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks: list[int] = list(range(num_device_blocks - 1, -1, -1))   # pop() -> 0, 1, ...
+        self.ref_counts = [0] * num_device_blocks
+        self.block_hash: list[int | None] = [None] * num_device_blocks
+        self.cached_blocks: dict[int, int] = {}                   # hash -> block id
+        self.evictable: OrderedDict[int, None] = OrderedDict()    # ref 0, hashed; LRU first
+        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.host_tables: dict[str, list[int]] = {}               # swapped request -> host blocks
+        self.prefix_queries = 0   # blocks looked up / found, for the prefix-cache hit rate
+        self.prefix_hits = 0
+
+    # ---- counting --------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks available to allocate (evictable prefix-cache blocks count as free)."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self.free_host_blocks)
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """New blocks `request` needs to hold its first `num_tokens` tokens."""
+        have = len(request.block_table)
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    # ---- allocation ------------------------------------------------------------------
+    def allocate(self, request: Request, num_tokens: int) -> list[int]:
+        """Grow the request's block table to hold `num_tokens` tokens; returns new block ids."""
+        needed = self.blocks_needed(request, num_tokens)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free_blocks} free")
+        new = [self._take_block() for _ in range(needed)]
+        request.block_table.extend(new)
+        return new
+
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:   # evict the least recently used cached block
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached_blocks[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, request: Request) -> list[int]:
+        """Drop the request's references; returns the blocks whose count reached zero."""
+        released = []
+        # reversed: a prompt's later blocks are evicted before its earlier ones (LRU order)
+        for block in reversed(request.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                released.append(block)
+                if self.block_hash[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
+        request.block_table = []
+        return released
+
+    # ---- prefix caching --------------------------------------------------------------
+    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        hashes, parent = [], None
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, request: Request) -> int:
+        """Share the cached blocks of the request's prompt prefix; returns the number of
+        tokens found. At least one prompt token is always left to compute (its logits
+        give the first output token), so a fully cached prompt reuses all but its last block."""
+        if not self.enable_prefix_caching or request.block_table:
+            return 0
+        usable = (len(request.all_token_ids) - 1) // self.block_size
+        matched = []
+        for h in self._hashes(request.all_token_ids, usable):
+            block = self.cached_blocks.get(h)
+            if block is None:
+                break
+            matched.append(block)
+        self.prefix_queries += usable
+        self.prefix_hits += len(matched)
+        for block in matched:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        request.block_table = matched
+        return len(matched) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        for block, h in zip(request.block_table[:num_full], self._hashes(request.all_token_ids, num_full)):
+            if self.block_hash[block] is None and h not in self.cached_blocks:
+                self.block_hash[block] = h
+                self.cached_blocks[h] = block
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- swapping ----------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(request.block_table) <= self.num_free_host_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to host blocks; returns (device, host) copies to make."""
+        host = [self.free_host_blocks.pop() for _ in request.block_table]
+        copies = list(zip(request.block_table, host))
+        self.free(request)
+        self.host_tables[request.request_id] = host
+        return copies
+
+    def can_swap_in(self, request: Request) -> bool:
+        return len(self.host_tables[request.request_id]) <= self.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring the request's blocks back to fresh device blocks; returns (host, device) copies."""
+        host = self.host_tables.pop(request.request_id)
+        device = [self._take_block() for _ in host]
+        request.block_table = device
+        self.free_host_blocks.extend(reversed(host))
+        return list(zip(host, device))
+
+    def free_host(self, request: Request) -> None:
+        """Release a swapped request's host blocks (it was aborted while swapped out)."""
+        self.free_host_blocks.extend(reversed(self.host_tables.pop(request.request_id, [])))

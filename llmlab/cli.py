@@ -1,0 +1,169 @@
+"""`llmlab generate | chat | demo | convert | bench`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a GPU is.",
+    "Give me three tips for learning to cook.",
+    "What is 12 times 7?",
+    "Name the planets of the solar system.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+
+def _engine_args(args) -> dict:
+    extra = {}
+    for name in ("dtype", "backend", "device"):
+        if getattr(args, name, None):
+            extra[name] = getattr(args, name)
+    return extra
+
+
+def _load(args):
+    import llmlab
+
+    start = time.perf_counter()
+    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
+    llm = llmlab.LLM(args.model, **_engine_args(args))
+    print(f"loaded in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    return llm
+
+
+def _params(args):
+    import llmlab
+
+    return llmlab.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                 seed=getattr(args, "seed", None))
+
+
+def _stream(engine, prompt, params) -> str:
+    """Run one request, printing its text as it grows; returns the final text."""
+    request_id = engine.add_request(prompt, params)
+    shown = ""
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id:
+                print(out.text[len(shown):], end="", flush=True)
+                shown = out.text
+                if out.finished:
+                    print()
+                    return shown
+
+
+def cmd_generate(args) -> None:
+    llm = _load(args)
+    prompt = args.prompt
+    if args.chat_template:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _stream(llm.engine, prompt, _params(args))
+
+
+def cmd_chat(args) -> None:
+    llm = _load(args)
+    messages = []
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        print("model> ", end="", flush=True)
+        reply = _stream(llm.engine, llm.tokenizer.apply_chat_template(messages), _params(args))
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_demo(args) -> None:
+    import llmlab
+
+    llm = _load(args)
+    params = llmlab.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    conversations = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
+    llm.chat(conversations[:1], llmlab.SamplingParams(max_tokens=4))   # warm-up
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(DEMO_PROMPTS, outputs):
+        print(f"\n>>> {prompt}\n{out.text.strip()}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"\n{len(outputs)} prompts batched together: {total} tokens in {elapsed:.2f}s "
+          f"= {total / elapsed:.1f} tokens/s on {llm.engine.device.type} ({llm.engine.backend} kernels)")
+
+
+def cmd_convert(args) -> None:
+    from llmlab.model.gguf_convert import convert_gguf
+
+    print(convert_gguf(args.gguf, args.out))
+
+
+def cmd_bench(args) -> None:
+    if args.what == "kernels":
+        from llmlab.bench.kernels import run
+
+        run(args.out)
+    else:
+        from llmlab.bench import offline
+
+        offline.main(args)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p, max_tokens=128):
+        p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--dtype", default=None)
+        p.add_argument("--backend", default=None, choices=["torch", "triton"])
+        p.add_argument("--device", default=None)
+
+    p = sub.add_parser("generate", help="generate text for one prompt, streaming")
+    p.add_argument("prompt")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user message")
+    common(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat, streaming")
+    p.add_argument("--seed", type=int, default=None)
+    common(p, max_tokens=256)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="a batch of prompts on the embedded model, with tokens/s")
+    common(p, max_tokens=64)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("convert", help="convert a .gguf file to a HF-style folder")
+    p.add_argument("gguf")
+    p.add_argument("out")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("bench", help="benchmarks: kernels | offline")
+    p.add_argument("what", choices=["kernels", "offline"])
+    p.add_argument("--out", default=None, help="write results as JSON here")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate as a peer")
+    p.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as err:
+        parser.exit(2, f"llmlab: error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Configuration: `EngineConfig` (every engine knob, vLLM's names) and `ModelConfig`
+(the architecture, read from a HF `config.json`)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF folder, .gguf file, or None = embedded SmolLM2
+    dtype: str = "auto"                 # "auto" = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"                # "auto" = cuda if available else cpu
+    backend: str = "auto"               # kernels: "torch" | "triton"; "auto" follows the device
+    block_size: int = 16                # tokens per KV block
+    num_gpu_blocks: int | None = None   # None = size from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0       # KV cache size on a CPU device when num_gpu_blocks is None
+    swap_space: float = 0.5             # GiB of host KV blocks for preemption by swap
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None    # None = the model's context length
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"  # "swap" | "recompute"
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            ("dtype", self.dtype in ("auto", "float32", "float16", "bfloat16"),
+             "one of auto, float32, float16, bfloat16"),
+            ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             "auto, cpu or cuda[:N]"),
+            ("backend", self.backend in ("auto", "torch", "triton"), "auto, torch or triton"),
+            ("block_size", self.block_size >= 1, "a positive integer"),
+            ("num_gpu_blocks", self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+             "None or a positive integer"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            ("swap_space", self.swap_space >= 0, ">= 0"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
+             "None or >= 1"),
+            ("preemption_mode", self.preemption_mode in ("swap", "recompute"),
+             "swap or recompute"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "triton" if self.resolved_device().type == "cuda" else "torch"
+        return self.backend
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None     # LLaMA-3.1 style: {"rope_type": "llama3", "factor": ..}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False         # q/k/v biases (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Build from a HF `config.json` dict; unsupported architectures raise ValueError."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model architecture {model_type!r} (architectures="
+                f"{cfg.get('architectures')}); llmlab supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {cfg['hidden_act']!r}; only silu (SwiGLU)")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json is missing required fields: {', '.join(missing)}")
+        # transformers 5 writes rope settings under "rope_parameters"; older files use
+        # "rope_theta" + "rope_scaling" at the top level.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind in (None, "default"):
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"unsupported rope scaling type {kind!r}; llmlab supports 'llama3'")
+            else:
+                scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                   "original_max_position_embeddings")}
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,74 @@
+"""`LLM`: the offline entry point. Builds an engine, runs prompts to completion."""
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from llmlab.config import EngineConfig
+from llmlab.engine.engine import LLMEngine
+from llmlab.request import RequestOutput
+from llmlab.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        """`model`: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+        Other keyword arguments are EngineConfig fields (dtype, backend, block_size, ...)."""
+        unknown = set(engine_args) - set(EngineConfig.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {sorted(unknown)}; "
+                             f"EngineConfig has {EngineConfig.field_names()}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list (texts or token-id lists), batched by the engine.
+        Returns one finished RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:     # leave the engine as we found it
+                engine.abort(rid)
+            raise
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in wanted - set(results):   # interrupted: don't leave work behind
+                engine.abort(rid)
+        return [results[rid] for rid in ids]
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Like generate, for conversations (lists of {"role", "content"} messages) rendered
+        with the model's chat template. A single conversation may be passed bare."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(messages) for messages in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def throughput(self, prompts, params: SamplingParams) -> tuple[list[RequestOutput], float]:
+        """generate() and its output tokens per second."""
+        start = time.perf_counter()
+        outputs = self.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        return outputs, sum(len(o.token_ids) for o in outputs) / elapsed

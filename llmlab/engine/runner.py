@@ -1,0 +1,73 @@
+"""From a scheduler Plan to model inputs, and the forward pass itself.
+
+The flat batch is every prefill chunk's tokens, then one token per decode. For each token
+the runner computes its position and the cache slot its K/V goes to
+(slot = block_table[position // block_size] * block_size + position % block_size).
+"""
+from __future__ import annotations
+
+import torch
+
+from llmlab.model.llama import ForwardBatch, LlamaModel
+from llmlab.scheduler import Plan
+
+
+class Runner:
+    def __init__(self, model: LlamaModel, kv_cache, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, plan: Plan):
+        """Returns input_ids [T], positions [T] and the ForwardBatch for the plan."""
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        cu_seqlens_q, prefill_lens, prefill_tables = [0], [], []
+        for item in plan.prefills:
+            request, start, end = item.request, item.start_position, item.start_position + item.num_tokens
+            input_ids += request.all_token_ids[start:end]
+            positions += range(start, end)
+            table = request.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_tokens)
+            prefill_lens.append(end)
+            prefill_tables.append(table)
+        decode_lens, decode_tables = [], []
+        for item in plan.decodes:
+            request, p = item.request, item.start_position
+            input_ids.append(request.all_token_ids[p])
+            positions.append(p)
+            slots.append(request.block_table[p // bs] * bs + p % bs)
+            decode_lens.append(p + 1)
+            decode_tables.append(request.block_table)
+        num_prefill_tokens = cu_seqlens_q[-1]
+        logits_indices = [end - 1 for end in cu_seqlens_q[1:]]
+        logits_indices += range(num_prefill_tokens, num_prefill_tokens + len(plan.decodes))
+
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        batch = ForwardBatch(
+            num_prefill_tokens=num_prefill_tokens,
+            slot_mapping=ints(slots, torch.int64),
+            prefill_cu_seqlens_q=ints(cu_seqlens_q),
+            prefill_seq_lens=ints(prefill_lens),
+            prefill_block_tables=self.pad_tables(prefill_tables),
+            decode_seq_lens=ints(decode_lens),
+            decode_block_tables=self.pad_tables(decode_tables),
+            logits_indices=ints(logits_indices, torch.int64),
+        )
+        return ints(input_ids, torch.int64), ints(positions, torch.int64), batch
+
+    def pad_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables as one int32 [num_seqs, max_blocks] tensor, padded with 0 (kernels
+        never read past a sequence's length, so the padding value is never used)."""
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(tables), width)
+
+    def execute(self, plan: Plan) -> torch.Tensor:
+        """Run the plan's forward; logits [len(plan.items), vocab], rows in plan.items order."""
+        input_ids, positions, batch = self.prepare(plan)
+        return self.model.forward(input_ids, positions, batch, self.kv_cache.device)

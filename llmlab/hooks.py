@@ -1,0 +1,140 @@
+"""Observing the engine: events, a hook bus, and a Recorder that builds a Trace.
+
+The engine emits three kinds of events: `RequestAdded`, one `StepRecord` per step (what
+was scheduled, preempted, swapped, allocated and sampled, the block tables afterwards,
+phase timings) and `RequestFinished`. Hooks observe; they never steer. With no hook
+attached the engine does not even build the events.
+
+    rec = llmlab.Recorder(); engine.hooks.attach(rec)
+    ...; rec.trace.steps[3].scheduled; rec.trace.save("run.json"); Trace.load("run.json")
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRecord:
+    request_id: str
+    kind: str               # "prefill" | "decode"
+    num_tokens: int
+    start_position: int
+
+
+@dataclass
+class StepRecord:
+    step: int
+    scheduled: list[ScheduledRecord] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)       # by recompute
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    allocated_blocks: dict[str, list[int]] = field(default_factory=dict)
+    freed_blocks: list[int] = field(default_factory=list)
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)        # running requests
+    host_block_tables: dict[str, list[int]] = field(default_factory=dict)   # swapped requests
+    shared_blocks: list[int] = field(default_factory=list)                   # ref count > 1
+    cached_blocks: list[int] = field(default_factory=list)                   # in the prefix cache
+    sampled: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, str] = field(default_factory=dict)                   # id -> finish reason
+    waiting: list[str] = field(default_factory=list)
+    free_device_blocks: int = 0
+    total_device_blocks: int = 0
+    free_host_blocks: int = 0
+    total_host_blocks: int = 0
+    token_budget: int = 0
+    timings: dict[str, float] = field(default_factory=dict)          # seconds per phase
+    kernel_timings: dict[str, float] = field(default_factory=dict)   # seconds per kernel
+    time: float = 0.0       # perf_counter at the end of the step
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.kind == "decode")
+
+
+@dataclass
+class RequestAdded:
+    request_id: str
+    num_prompt_tokens: int
+    time: float
+
+
+@dataclass
+class RequestFinished:
+    request_id: str
+    finish_reason: str
+    num_output_tokens: int
+    time: float
+
+
+class HookBus:
+    def __init__(self):
+        self.hooks = []
+
+    def attach(self, hook) -> None:
+        """`hook(event)` is called for every event until detached."""
+        self.hooks.append(hook)
+
+    def detach(self, hook) -> None:
+        self.hooks.remove(hook)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.hooks)
+
+    def emit(self, event) -> None:
+        for hook in self.hooks:
+            hook(event)
+
+
+@dataclass
+class Trace:
+    steps: list[StepRecord] = field(default_factory=list)
+    added: list[RequestAdded] = field(default_factory=list)
+    finished: list[RequestFinished] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)   # model, device, config: whatever the recorder was told
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trace":
+        steps = []
+        for s in data.get("steps", []):
+            s = dict(s)
+            s["scheduled"] = [ScheduledRecord(**x) for x in s.get("scheduled", [])]
+            steps.append(StepRecord(**s))
+        return cls(steps=steps,
+                   added=[RequestAdded(**x) for x in data.get("added", [])],
+                   finished=[RequestFinished(**x) for x in data.get("finished", [])],
+                   meta=data.get("meta", {}))
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+    @classmethod
+    def load(cls, path) -> "Trace":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+class Recorder:
+    """A hook that keeps every event in `self.trace`."""
+
+    def __init__(self, **meta):
+        self.trace = Trace(meta=meta)
+
+    def __call__(self, event) -> None:
+        if isinstance(event, StepRecord):
+            self.trace.steps.append(event)
+        elif isinstance(event, RequestAdded):
+            self.trace.added.append(event)
+        elif isinstance(event, RequestFinished):
+            self.trace.finished.append(event)

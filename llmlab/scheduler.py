@@ -1,0 +1,221 @@
+"""Iteration-level scheduling (Orca) with chunked prefill piggybacked on decodes (SARATHI).
+
+Every engine step asks `Scheduler.schedule()` for a Plan: which requests run this step and
+how many tokens each, which are preempted, swapped out or swapped back in, and which new
+KV blocks were allocated. The engine applies the plan; the scheduler never touches tensors.
+
+The policy, in order of priority, under a budget of `max_num_batched_tokens` tokens:
+  1. every running request that is decoding gets its one token; when blocks run out the
+     lowest-priority running request is preempted (swap or recompute), newest first;
+  2. running requests still prefilling get the next chunk of their prompt;
+  3. swapped-out requests come back when their blocks fit;
+  4. waiting requests are admitted, highest priority first, with a prompt chunk of
+     at most the remaining budget (SARATHI §4: chunk = token budget - decodes).
+Steps 3-4 are skipped in a step that had to preempt, so a victim is not immediately
+replaced by a newcomer: preempted requests are older and get back in first (no starvation).
+
+`policy` orders requests by priority; FCFS (arrival order) by default. Pass another key
+function (e.g. shortest prompt first) to change who is admitted and who is preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmlab.cache.block_manager import BlockManager
+from llmlab.config import EngineConfig
+from llmlab.request import Request, RequestStatus
+
+
+def fcfs(request: Request):
+    """First come, first served: earlier arrival = higher priority."""
+    return request.arrival_time
+
+
+def shortest_prompt_first(request: Request):
+    return (len(request.prompt_token_ids), request.arrival_time)
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    kind: str             # "prefill" | "decode"
+    num_tokens: int       # new tokens computed this step
+    start_position: int   # position of the first of them
+
+    @property
+    def completes_prompt(self) -> bool:
+        """Whether this step computes the request's last uncomputed token (so it samples)."""
+        return self.start_position + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class Plan:
+    prefills: list[ScheduledItem] = field(default_factory=list)
+    decodes: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)        # back to waiting (recompute)
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    swap_out_copies: list[tuple[int, int]] = field(default_factory=list)   # (device, host)
+    swap_in_copies: list[tuple[int, int]] = field(default_factory=list)    # (host, device)
+    allocated_blocks: dict[str, list[int]] = field(default_factory=dict)
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def items(self) -> list[ScheduledItem]:
+        """Prefill chunks first, then decodes: the order of the flat batch."""
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 policy=fcfs):
+        self.config = config
+        self.blocks = block_manager
+        self.policy = policy
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        # without chunking a whole prompt (plus any output to recompute) must fit in one step
+        self.token_budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            self.token_budget = max(self.token_budget, max_model_len)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, request: Request) -> list[int]:
+        """Forget a request (finished or aborted) and release all its blocks; returns the
+        device blocks that became free."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        if request.status == RequestStatus.SWAPPED:
+            self.blocks.free_host(request)
+        return self.blocks.free(request)
+
+    # ---- the policy ------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        plan = Plan()
+        budget = self.token_budget
+        self.running.sort(key=self.policy)
+
+        # 1. decodes: one token each, preempting the lowest-priority request when out of blocks
+        for request in list(self.running):
+            if request not in self.running or request.is_prefilling:
+                continue
+            if budget < 1:
+                break
+            if not self._make_room(request, request.num_tokens, plan):
+                continue    # the request itself was preempted
+            self._allocate(request, request.num_tokens, plan)
+            plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
+            budget -= 1
+
+        # 2. running prefills continue with their next chunk
+        for request in self.running:
+            if request.is_prefilling and budget > 0:
+                budget -= self._schedule_prefill(request, budget, plan)
+
+        if plan.preempted or plan.swapped_out:
+            return plan
+
+        # 3. swapped requests come back (they were running: decode or prefill right away)
+        self.swapped.sort(key=self.policy)
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            if len(self.blocks.host_tables[request.request_id]) + 1 > self.blocks.num_free_blocks:
+                break
+            self.swapped.pop(0)
+            plan.swap_in_copies += self.blocks.swap_in(request)
+            plan.swapped_in.append(request.request_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.is_prefilling:
+                budget -= self._schedule_prefill(request, budget, plan)
+            else:
+                self._allocate(request, request.num_tokens, plan)
+                plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
+                budget -= 1
+
+        # 4. admit waiting requests
+        self.waiting.sort(key=self.policy)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not request.block_table:
+                cached = self.blocks.match_prefix(request)
+                if cached:
+                    request.num_computed_tokens = cached
+                    request.num_cached_prompt_tokens = cached
+                    plan.prefix_hit_tokens[request.request_id] = cached
+            used = self._schedule_prefill(request, budget, plan)
+            if used == 0:
+                self.blocks.free(request)    # give back any shared prefix blocks
+                request.num_computed_tokens = 0
+                plan.prefix_hit_tokens.pop(request.request_id, None)
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= used
+        return plan
+
+    def _schedule_prefill(self, request: Request, budget: int, plan: Plan) -> int:
+        """Schedule the next prompt chunk of `request`; returns the tokens used (0 = none fit)."""
+        remaining = request.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            chunk = min(remaining, budget)
+            # never more tokens than free blocks can hold
+            room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
+            chunk = min(chunk, room - request.num_computed_tokens)
+        else:
+            chunk = remaining if remaining <= budget else 0
+            if self.blocks.blocks_needed(request, request.num_tokens) > self.blocks.num_free_blocks:
+                chunk = 0
+        if chunk <= 0:
+            return 0
+        self._allocate(request, request.num_computed_tokens + chunk, plan)
+        plan.prefills.append(ScheduledItem(request, "prefill", chunk, request.num_computed_tokens))
+        return chunk
+
+    def _allocate(self, request: Request, num_tokens: int, plan: Plan) -> None:
+        new = self.blocks.allocate(request, num_tokens)
+        if new:
+            plan.allocated_blocks.setdefault(request.request_id, []).extend(new)
+
+    def _make_room(self, request: Request, num_tokens: int, plan: Plan) -> bool:
+        """Preempt lowest-priority running requests until `request` can hold `num_tokens`.
+        Returns False when `request` itself had to be preempted."""
+        while self.blocks.blocks_needed(request, num_tokens) > self.blocks.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: Plan) -> None:
+        self.running.remove(request)
+        for items in (plan.prefills, plan.decodes):   # a victim may already be in this plan
+            items[:] = [item for item in items if item.request is not request]
+        request.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(request):
+            plan.swap_out_copies += self.blocks.swap_out(request)
+            plan.swapped_out.append(request.request_id)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+        else:   # recompute: drop the KV, redo the prompt and the output so far later
+            self.blocks.free(request)
+            request.num_computed_tokens = 0
+            plan.preempted.append(request.request_id)
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
