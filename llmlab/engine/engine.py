@@ -38,7 +38,9 @@ class LLMEngine:
             model_config = load_config(folder)
             model = LlamaModel.from_state_dict(model_config, iter_weights(folder), self.dtype,
                                                self.device, self.backend)
-            tokenizer = tokenizer or Tokenizer(str(folder))
+            has_tokenizer = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+            if tokenizer is None and has_tokenizer:   # a bare weights folder runs on token ids
+                tokenizer = Tokenizer(str(folder))
         model.backend = self.backend
         self.model, self.tokenizer = model, tokenizer
         self.model_config: ModelConfig = model.config

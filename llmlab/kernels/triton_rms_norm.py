@@ -3,8 +3,14 @@ residual stream in the same pass (the fused "add & norm" of a LLaMA layer)."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from . import enable_interpreter_if_no_cuda
+
+# Triton decides when it is imported whether kernels run compiled or interpreted: on a
+# machine without CUDA, switch the interpreter on first (also when imported directly).
+enable_interpreter_if_no_cuda()
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit

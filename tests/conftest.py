@@ -1,0 +1,39 @@
+"""Shared fixtures: the embedded model through llmlab and through HF transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", default="solutions", choices=["solutions", "exercises"],
+                     help="which implementation tests/exercises grades")
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded SmolLM2-135M-Instruct on CPU, float32, torch kernels."""
+    import llmlab
+
+    return llmlab.LLM(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=512)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """HF transformers' own loading of the same GGUF file: the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    from llmlab.model.loader import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,172 @@
+"""Engine invariants on the embedded model: batching does not change outputs, every block
+comes back, chunked prefill / preemption / prefix caching leave greedy output unchanged,
+and bad input is refused with a clear ValueError."""
+import pytest
+
+import llmlab
+from llmlab import EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
+           "1, 2, 3, 4,", "Explain what a hash table is to a ten year old child, step by step."]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(llm, **overrides) -> LLMEngine:
+    """A fresh engine sharing the loaded embedded model (loading it again is slow)."""
+    config = EngineConfig(device="cpu", dtype="float32", backend="torch", **overrides)
+    return LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer)
+
+
+def run_all(engine, prompts, params=GREEDY, recorder=None):
+    if recorder is not None:
+        engine.hooks.attach(recorder)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+    return [results[i] for i in ids]
+
+
+def assert_all_blocks_free(engine):
+    stats = engine.kv_stats()
+    assert stats["free_device_blocks"] == stats["total_device_blocks"]
+    assert stats["free_host_blocks"] == stats["total_host_blocks"]
+    assert all(count == 0 for count in engine.block_manager.ref_counts)
+    assert not engine.requests
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(llm):
+    """Greedy tokens of each prompt run alone, with generous memory and no chunking."""
+    engine = make_engine(llm, num_gpu_blocks=256, enable_chunked_prefill=False)
+    return [run_all(engine, [p])[0].token_ids for p in PROMPTS]
+
+
+def test_batch_equals_each_alone(llm, reference_tokens):
+    engine = make_engine(llm, num_gpu_blocks=256)
+    outputs = run_all(engine, PROMPTS)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in outputs)
+    assert_all_blocks_free(engine)
+
+
+def test_chunked_prefill_mixes_prefill_and_decode(llm, reference_tokens):
+    engine = make_engine(llm, num_gpu_blocks=256, max_num_batched_tokens=8)
+    recorder = llmlab.Recorder()
+    outputs = run_all(engine, PROMPTS, recorder=recorder)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    steps = recorder.trace.steps
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= 8 for s in steps)
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps), "no mixed step"
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_greedy_output(llm, reference_tokens, mode):
+    # 6 blocks of 4 tokens hold ~24 tokens: four requests of 20+ tokens must take turns
+    engine = make_engine(llm, num_gpu_blocks=12, block_size=4, preemption_mode=mode,
+                         swap_space=0.01, max_num_batched_tokens=64)
+    recorder = llmlab.Recorder()
+    outputs = run_all(engine, PROMPTS, recorder=recorder)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    kind = "preempted" if mode == "recompute" else "swapped_out"
+    assert any(getattr(s, kind) for s in recorder.trace.steps), f"no {mode} preemption happened"
+    assert_all_blocks_free(engine)
+
+
+def test_prefix_caching_reuses_blocks(llm, reference_tokens):
+    engine = make_engine(llm, num_gpu_blocks=256, enable_prefix_caching=True, block_size=4)
+    first = run_all(engine, PROMPTS[3:])
+    recorder = llmlab.Recorder()
+    again = run_all(engine, PROMPTS[3:] + PROMPTS[:1], recorder=recorder)
+    assert first[0].token_ids == again[0].token_ids == reference_tokens[3]
+    assert again[1].token_ids == reference_tokens[0]
+    hits = sum(sum(s.prefix_hit_tokens.values()) for s in recorder.trace.steps)
+    assert hits >= 8
+    assert_all_blocks_free(engine)   # cached blocks are evictable, so they count as free
+
+
+def test_abort_frees_everything(llm):
+    engine = make_engine(llm, num_gpu_blocks=64, max_num_batched_tokens=4)
+    a = engine.add_request(PROMPTS[3], GREEDY)
+    b = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()                          # `a` is mid-prefill (4 of its tokens done)
+    assert engine.requests[a].is_prefilling
+    engine.abort(a)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.abort(b)                        # aborting a finished request is a no-op
+    assert_all_blocks_free(engine)
+
+
+def test_stop_string_is_never_shown(llm):
+    engine = make_engine(llm, num_gpu_blocks=64)
+    full = run_all(engine, ["1, 2, 3, 4,"], SamplingParams(max_tokens=12, temperature=0))[0].text
+    assert ", 7" in full
+    out = run_all(engine, ["1, 2, 3, 4,"], SamplingParams(max_tokens=12, temperature=0, stop=[", 7"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[:full.index(", 7")]
+
+
+def test_stop_token_ids_and_max_tokens(llm, reference_tokens):
+    engine = make_engine(llm, num_gpu_blocks=64)
+    reference = reference_tokens[2]
+    stop_at = reference[2]
+    out = run_all(engine, PROMPTS[2:3], SamplingParams(max_tokens=12, temperature=0,
+                                                       stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == reference[:reference.index(stop_at) + 1]
+    out = run_all(engine, PROMPTS[2:3], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+    engine = make_engine(llm, num_gpu_blocks=128)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234)
+    alone = run_all(engine, [PROMPTS[1]], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=10, temperature=0.8)
+    batched = run_all(engine, PROMPTS[:3], [others, seeded, others])
+    assert batched[1].token_ids == alone
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", GREEDY, "empty"),
+    ([], GREEDY, "empty"),
+    ("x " * 200, GREEDY, "max_model_len"),
+    (123, GREEDY, "prompt must be"),
+    ([1, 2, 10**9], GREEDY, "token ids"),
+    ("hello", "not params", "SamplingParams"),
+])
+def test_bad_requests_raise_clear_errors(llm, prompt, params, match):
+    engine = make_engine(llm, num_gpu_blocks=64, max_model_len=128)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    assert_all_blocks_free(engine)
+    assert run_all(engine, ["Hi"], SamplingParams(max_tokens=2))[0].finished   # still serving
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
+    ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_and_option():
+    with pytest.raises(ValueError, match="does not exist"):
+        llmlab.LLM("/no/such/model/folder")
+    with pytest.raises(ValueError, match="unknown engine option"):
+        llmlab.LLM(not_an_option=1)
+
+
+def test_generate_rolls_back_on_bad_prompt(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine prompt", ""])
+    assert_all_blocks_free(llm.engine)
