@@ -1,4 +1,4 @@
-"""`llmlab generate | chat | demo | convert | bench`."""
+"""`llmlab generate | chat | demo | convert | serve | bench ...`."""
 from __future__ import annotations
 
 import argparse
@@ -104,15 +104,29 @@ def cmd_convert(args) -> None:
     print(convert_gguf(args.gguf, args.out))
 
 
-def cmd_bench(args) -> None:
-    if args.what == "kernels":
-        from llmlab.bench.kernels import run
+# Each benchmark module defines add_arguments(parser) and main(args); heavy imports
+# happen inside main, so `llmlab --help` stays fast.
+BENCHMARKS = {
+    "kernels": "llmlab.bench.kernels",
+    "single-forward": "llmlab.bench.single_forward",
+    "offline": "llmlab.bench.offline",
+    "serving": "llmlab.bench.serving",
+}
 
-        run(args.out)
-    else:
-        from llmlab.bench import offline
 
-        offline.main(args)
+def _add_module_parsers(sub, modules: dict, help_prefix: str) -> None:
+    import importlib
+
+    for name, module_name in modules.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue    # this command is not part of this version
+        p = sub.add_parser(name, help=f"{help_prefix} {name}: {(module.__doc__ or '').strip().splitlines()[0]}")
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
 
 
 def main(argv=None) -> None:
@@ -148,15 +162,10 @@ def main(argv=None) -> None:
     p.add_argument("out")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | offline")
-    p.add_argument("what", choices=["kernels", "offline"])
-    p.add_argument("--out", default=None, help="write results as JSON here")
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--min-len", type=int, default=100)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--hf", action="store_true", help="also run HF transformers generate as a peer")
-    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS))
+    _add_module_parsers(p.add_subparsers(dest="benchmark", required=True), BENCHMARKS, "benchmark")
+
+    _add_module_parsers(sub, {"serve": "llmlab.server.app"}, "OpenAI-compatible server:")
 
     args = parser.parse_args(argv)
     try:
