@@ -27,6 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"  # "swap" | "recompute"
+    enforce_eager: bool = False         # True = no CUDA graphs for decode steps
     seed: int = 0
 
     def __post_init__(self):
@@ -90,6 +91,7 @@ class ModelConfig:
     attention_bias: bool = False         # q/k/v biases (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None    # Mistral-style local attention; llmlab caps the context at it
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -120,6 +122,9 @@ class ModelConfig:
                 scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                    "original_max_position_embeddings")}
         heads = cfg["num_attention_heads"]
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -139,4 +144,5 @@ class ModelConfig:
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
         )

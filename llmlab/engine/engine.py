@@ -50,12 +50,16 @@ class LLMEngine:
                                               weights_bytes, self._profile_activation_bytes())
         self.kv_cache = KVCache(self.model_config, num_device, num_host, config.block_size,
                                 self.dtype, self.device)
+        # full attention equals sliding-window attention only within the window
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.sliding_window or 1 << 62,
                                  num_device * config.block_size)
         self.block_manager = BlockManager(num_device, num_host, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy)
-        self.runner = Runner(model, self.kv_cache, config.block_size, self.device)
+        use_graphs = (self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager)
+        self.runner = Runner(model, self.kv_cache, config.block_size, self.device,
+                             config.max_num_seqs, self.max_model_len, use_graphs)
         self.sampler = Sampler(config.seed)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
@@ -158,11 +162,11 @@ class LLMEngine:
         if not plan.is_empty:
             input_ids, positions, batch = self.runner.prepare(plan)
             timings["prepare"], clock = self._lap(clock)
-            if self.kernel_timing:
+            if self.kernel_timing:   # eager, so that every kernel call is seen
                 with kernels.time_kernels() as kernel_timings:
                     logits = self.model.forward(input_ids, positions, batch, self.kv_cache.device)
             else:
-                logits = self.model.forward(input_ids, positions, batch, self.kv_cache.device)
+                logits = self.runner.forward(input_ids, positions, batch)
             timings["forward"], clock = self._lap(clock)
             rows = [i for i, item in enumerate(plan.items) if item.completes_prompt]
             requests = [plan.items[i].request for i in rows]

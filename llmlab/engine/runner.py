@@ -13,11 +13,26 @@ from llmlab.scheduler import Plan
 
 
 class Runner:
-    def __init__(self, model: LlamaModel, kv_cache, block_size: int, device: torch.device):
+    def __init__(self, model: LlamaModel, kv_cache, block_size: int, device: torch.device,
+                 max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.graphs = None
+        if use_cuda_graphs:
+            from llmlab.engine.cuda_graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(model, kv_cache, max_num_seqs, -(-max_model_len // block_size),
+                                           lambda size: self.num_splits(size, max_model_len))
+
+    def num_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        """Flash-decoding splits for the Triton decode kernel (1 = PagedAttention v1)."""
+        if self.model.backend != "triton" or self.device.type != "cuda":
+            return 1
+        from llmlab.kernels.triton_decode_attention import choose_num_splits
+
+        return choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len)
 
     def prepare(self, plan: Plan):
         """Returns input_ids [T], positions [T] and the ForwardBatch for the plan."""
@@ -57,6 +72,7 @@ class Runner:
             decode_seq_lens=ints(decode_lens),
             decode_block_tables=self.pad_tables(decode_tables),
             logits_indices=ints(logits_indices, torch.int64),
+            num_splits=self.num_splits(len(decode_lens), max(decode_lens, default=0)),
         )
         return ints(input_ids, torch.int64), ints(positions, torch.int64), batch
 
@@ -67,7 +83,15 @@ class Runner:
         rows = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(tables), width)
 
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [num_seqs, vocab]: a CUDA graph replay for pure-decode batches when
+        graphs were captured, the eager forward otherwise."""
+        num_seqs = batch.logits_indices.shape[0]
+        if (self.graphs is not None and batch.num_prefill_tokens == 0 and self.model.taps is None
+                and self.graphs.can_run(num_seqs)):
+            return self.graphs.run(input_ids, positions, batch)
+        return self.model.forward(input_ids, positions, batch, self.kv_cache.device)
+
     def execute(self, plan: Plan) -> torch.Tensor:
         """Run the plan's forward; logits [len(plan.items), vocab], rows in plan.items order."""
-        input_ids, positions, batch = self.prepare(plan)
-        return self.model.forward(input_ids, positions, batch, self.kv_cache.device)
+        return self.forward(*self.prepare(plan))

@@ -29,9 +29,10 @@ BACKENDS = ("torch", "triton")
 _default_backend: str | None = None
 _overrides: dict = {}
 _triton_impls: dict = {}
-# When a dict is installed here (by `time_kernels`), every call adds its wall time
-# (synchronized on CUDA) to timings[name]. None means no timing and no cost.
+# While `time_kernels` is active, every call is timed: CUDA events around it on a GPU,
+# perf_counter on a CPU. None means no timing and no cost.
 _timings: dict | None = None
+_pending_events: list = []     # (name, start event, end event), resolved when timing stops
 
 
 def default_backend() -> str:
@@ -95,9 +96,15 @@ def time_kernels():
     """Collect per-kernel wall time (seconds) into the yielded dict while active."""
     global _timings
     saved, _timings = _timings, {}
+    timings = _timings
     try:
-        yield _timings
+        yield timings
     finally:
+        if _pending_events:
+            torch.cuda.synchronize()
+            for name, start, end in _pending_events:
+                timings[name] = timings.get(name, 0.0) + start.elapsed_time(end) / 1000
+            _pending_events.clear()
         _timings = saved
 
 
@@ -105,13 +112,15 @@ def _call(name, backend, *args, **kwargs):
     fn = get_kernel(name, backend)
     if _timings is None:
         return fn(*args, **kwargs)
-    cuda = args[0].is_cuda
-    if cuda:
-        torch.cuda.synchronize()
+    if args[0].is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(*args, **kwargs)
+        end.record()
+        _pending_events.append((name, start, end))
+        return result
     start = time.perf_counter()
     result = fn(*args, **kwargs)
-    if cuda:
-        torch.cuda.synchronize()
     _timings[name] = _timings.get(name, 0.0) + time.perf_counter() - start
     return result
 

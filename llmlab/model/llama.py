@@ -173,10 +173,7 @@ class LlamaModel:
                 post_norm=take(p + "post_attention_layernorm.weight", (h,)), gate_up=gate_up,
                 down=take(p + "mlp.down_proj.weight", (h, c.intermediate_size))))
         norm = take("model.norm.weight", (h,))
-        if c.tie_word_embeddings or "lm_head.weight" not in state:
-            lm_head = embed
-        else:
-            lm_head = take("lm_head.weight", (c.vocab_size, h))
+        lm_head = embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, h))
         return cls(config, embed, layers, norm, lm_head, backend)
 
     @classmethod

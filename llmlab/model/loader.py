@@ -77,7 +77,12 @@ def load_config(folder: Path) -> ModelConfig:
 
 def iter_weights(folder: Path):
     """Yield (name, tensor) for every weight in the folder, one file at a time."""
-    safetensors = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():   # sharded: read exactly the listed shards (some repos ship extra copies)
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        safetensors = sorted(folder / name for name in shards)
+    else:
+        safetensors = sorted(folder.glob("*.safetensors"))
     bins = sorted(p for p in folder.glob("*.bin") if p.name != "training_args.bin")
     if safetensors:
         from safetensors import safe_open

@@ -1,0 +1,244 @@
+"""Kernel micro-benchmarks: each Triton kernel on Llama-3-8B shapes against what torch
+would do eagerly (F.rms_norm, F.silu(a) * b, SDPA's flash and cuDNN backends, ...).
+
+    from llmlab.bench.kernels import run
+    rows = run("kernels.json")      # or `llmlab bench kernels`
+
+Memory-bound kernels report achieved TB/s (the fewest bytes the op must move, over the
+median time) and its share of COPY_TB_S; prefill reports TFLOP/s. Inputs are random
+(never zeros) and, where one call's data would fit in L2, rotated among enough copies
+that every call reads from HBM.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from llmlab import kernels
+from llmlab.kernels import reference
+
+COPY_TB_S = 4.27        # H200 device-to-device copy, bytes read + written (measured; the roofline here)
+MATMUL_TFLOP_S = 790.0  # H200 bf16 8192^3 torch.matmul on random data (measured)
+# Llama-3-8B
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+HIDDEN, INTERMEDIATE = 4096, 14336
+BLOCK_SIZE = 16
+NUM_TOKENS = 8192
+DTYPE = torch.bfloat16
+
+
+def _time_ms(make_call, bytes_per_call=0):
+    """Median ms of one call. make_call(i) builds the i-th input set and returns a
+    zero-argument function; enough sets are built that together they exceed L2 4x."""
+    import triton.testing
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    copies = max(1, min(32, math.ceil(4 * l2 / bytes_per_call))) if bytes_per_call else 1
+    calls = [make_call(i) for i in range(copies)]
+    rotation = itertools.cycle(calls)
+    return triton.testing.do_bench(lambda: next(rotation)(), warmup=25, rep=200, return_mode="median")
+
+
+def _randn(*shape, dtype=DTYPE):
+    return torch.randn(shape, device="cuda", dtype=dtype)
+
+
+def _row(rows, kernel, shape, impl, ms, num_bytes=None, flops=None):
+    row = {"kernel": kernel, "shape": shape, "impl": impl, "ms": round(ms, 4)}
+    if num_bytes is not None:
+        row["tb_s"] = round(num_bytes / ms / 1e9, 3)
+        row["pct_roofline"] = round(100 * row["tb_s"] / COPY_TB_S, 1)
+    if flops is not None:
+        row["tflop_s"] = round(flops / ms / 1e9, 1)
+        row["pct_roofline"] = round(100 * row["tflop_s"] / MATMUL_TFLOP_S, 1)
+    rows.append(row)
+    print(_format(row), flush=True)
+
+
+def _try(rows, kernel, shape, impl, fn):
+    """Run one measurement; a failing peer (an SDPA backend missing here) becomes a row
+    that says why instead of stopping the whole benchmark."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 -- report and go on
+        rows.append({"kernel": kernel, "shape": shape, "impl": impl, "error": f"{type(error).__name__}: {error}"[:200]})
+        print(f"| {kernel} | {shape} | {impl} | failed: {rows[-1]['error']} |", flush=True)
+
+
+def _format(row):
+    rate = f"{row['tb_s']} TB/s" if "tb_s" in row else f"{row.get('tflop_s', '')} TFLOP/s"
+    return f"| {row['kernel']} | {row['shape']} | {row['impl']} | {row['ms']:.4f} | {rate} | {row.get('pct_roofline', '')} |"
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+def _bench_copy(rows):
+    n = 1 << 29  # 1 GiB of bf16
+    src, dst = _randn(n), torch.empty(n, device="cuda", dtype=DTYPE)
+    ms = _time_ms(lambda i: lambda: dst.copy_(src))
+    _row(rows, "copy", "1 GiB", "torch", ms, num_bytes=2 * 2 * n)
+
+
+def _bench_rms_norm(rows):
+    shape = f"{NUM_TOKENS}x{HIDDEN}"
+    nbytes = 2 * NUM_TOKENS * HIDDEN * 2  # read x, write out
+    weight = _randn(HIDDEN)
+
+    def inputs(i):
+        return _randn(NUM_TOKENS, HIDDEN)
+
+    for impl, fn in [("triton", lambda x: kernels.rms_norm(x, weight, 1e-5, backend="triton")),
+                     ("torch F.rms_norm", lambda x: F.rms_norm(x, (HIDDEN,), weight, 1e-5))]:
+        _try(rows, "rms_norm", shape, impl, lambda: _row(
+            rows, "rms_norm", shape, impl, _time_ms(lambda i: (lambda x: lambda: fn(x))(inputs(i)), nbytes), nbytes))
+
+    nbytes = 4 * NUM_TOKENS * HIDDEN * 2  # read x and residual, write out and x + residual
+    for impl, fn in [("triton", lambda x, r: kernels.rms_norm(x, weight, 1e-5, r, backend="triton")),
+                     ("torch add + F.rms_norm", lambda x, r: F.rms_norm(x + r, (HIDDEN,), weight, 1e-5))]:
+        _try(rows, "rms_norm+residual", shape, impl, lambda: _row(
+            rows, "rms_norm+residual", shape, impl,
+            _time_ms(lambda i: (lambda x, r: lambda: fn(x, r))(inputs(i), inputs(i)), nbytes), nbytes))
+
+
+def _bench_silu_mul(rows):
+    shape = f"{NUM_TOKENS}x2x{INTERMEDIATE}"
+    nbytes = 3 * NUM_TOKENS * INTERMEDIATE * 2  # read gate and up, write out
+
+    def torch_silu_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    for impl, fn in [("triton", lambda x: kernels.silu_mul(x, backend="triton")), ("torch F.silu(a) * b", torch_silu_mul)]:
+        _try(rows, "silu_mul", shape, impl, lambda: _row(
+            rows, "silu_mul", shape, impl,
+            _time_ms(lambda i: (lambda x: lambda: fn(x))(_randn(NUM_TOKENS, 2 * INTERMEDIATE)), nbytes), nbytes))
+
+
+def _bench_rope(rows):
+    shape = f"{NUM_TOKENS} tokens, {NUM_HEADS}/{NUM_KV_HEADS} heads x {HEAD_DIM}"
+    nbytes = 2 * NUM_TOKENS * (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM * 2  # read q, k; write both
+    positions = torch.randint(0, 8192, (NUM_TOKENS,), device="cuda")
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+    def inputs(i):
+        return _randn(NUM_TOKENS, NUM_HEADS, HEAD_DIM), _randn(NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM)
+
+    for impl, fn in [("triton", lambda q, k: kernels.rope(q, k, positions, 500000.0, scaling, backend="triton")),
+                     ("torch eager (reference)", lambda q, k: reference.rope(q, k, positions, 500000.0, scaling))]:
+        _try(rows, "rope", shape, impl, lambda: _row(
+            rows, "rope", shape, impl, _time_ms(lambda i: (lambda qk: lambda: fn(*qk))(inputs(i)), nbytes), nbytes))
+
+
+def _bench_store_kv(rows):
+    shape = f"{NUM_TOKENS} tokens, {NUM_KV_HEADS} kv heads x {HEAD_DIM}"
+    nbytes = 2 * 2 * NUM_TOKENS * NUM_KV_HEADS * HEAD_DIM * 2  # read k, v; write both into the caches
+    num_blocks = NUM_TOKENS // BLOCK_SIZE
+
+    def inputs(i):
+        k, v = _randn(NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM), _randn(NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM)
+        caches = [_randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(2)]
+        return k, v, *caches, torch.randperm(NUM_TOKENS, device="cuda")
+
+    for impl, fn in [("triton", lambda *a: kernels.store_kv(*a, backend="triton")),
+                     ("torch index_put (reference)", reference.store_kv)]:
+        _try(rows, "store_kv", shape, impl, lambda: _row(
+            rows, "store_kv", shape, impl, _time_ms(lambda i: (lambda a: lambda: fn(*a))(inputs(i)), nbytes), nbytes))
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _paged_cache(seq_lens):
+    """Random K/V for the given lengths in shuffled blocks: (k_cache, v_cache, block_tables)."""
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    ids = torch.randperm(sum(blocks), device="cuda", dtype=torch.int64).to(torch.int32)
+    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    offsets = [0] + list(itertools.accumulate(blocks))
+    for i, n in enumerate(blocks):
+        block_tables[i, :n] = ids[offsets[i]:offsets[i] + n]
+    shape = (sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return _randn(*shape), _randn(*shape), block_tables
+
+
+def _sdpa_rows(rows, kernel, shape, q, k, v, is_causal, num_bytes=None, flops=None):
+    """SDPA's flash and cuDNN backends on contiguous [B, heads, L, D] tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for impl, backend in [("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        def measure(impl=impl, backend=backend):
+            def call():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+            call()  # fail here, outside timing, if the backend refuses these inputs
+            _row(rows, kernel, shape, impl, _time_ms(lambda i: call), num_bytes=num_bytes, flops=flops)
+        _try(rows, kernel, shape, impl, measure)
+
+
+def _bench_decode(rows, batch, context, splits):
+    shape = f"batch {batch} x ctx {context}"
+    k_cache, v_cache, block_tables = _paged_cache([context] * batch)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = _randn(batch, NUM_HEADS, HEAD_DIM)
+    nbytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2  # K and V, read once
+    for impl, num_splits in splits:
+        _try(rows, "decode_attention", shape, impl, lambda: _row(
+            rows, "decode_attention", shape, impl,
+            _time_ms(lambda i: lambda: kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                                HEAD_DIM ** -0.5, num_splits, backend="triton")),
+            num_bytes=nbytes))
+    del k_cache, v_cache
+    k, v = _randn(batch, NUM_KV_HEADS, context, HEAD_DIM), _randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
+    _sdpa_rows(rows, "decode_attention", shape, q[:, :, None, :], k, v, False, num_bytes=nbytes)
+
+
+def _bench_prefill(rows, context=4096):
+    shape = f"batch 1 x {context} causal"
+    flops = 2 * 2 * NUM_HEADS * HEAD_DIM * context * context / 2  # QK^T and PV, half the square
+    k_cache, v_cache, block_tables = _paged_cache([context])
+    q = _randn(context, NUM_HEADS, HEAD_DIM)
+    cu_seqlens_q = torch.tensor([0, context], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+    _try(rows, "prefill_attention", shape, "triton (paged)", lambda: _row(
+        rows, "prefill_attention", shape, "triton (paged)",
+        _time_ms(lambda i: lambda: kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                             seq_lens, HEAD_DIM ** -0.5, backend="triton")),
+        flops=flops))
+    k, v = _randn(1, NUM_KV_HEADS, context, HEAD_DIM), _randn(1, NUM_KV_HEADS, context, HEAD_DIM)
+    _sdpa_rows(rows, "prefill_attention", shape, q.transpose(0, 1)[None], k, v, True, flops=flops)
+
+
+def run(out_path=None) -> list[dict]:
+    """Run every kernel benchmark on the current CUDA device; print a markdown table and
+    return its rows (also written as JSON to out_path when given)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernel benchmarks need a CUDA device")
+    from llmlab.kernels.triton_decode_attention import choose_num_splits
+
+    torch.manual_seed(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
+    print("| kernel | shape | impl | ms | rate | % roofline |\n|---|---|---|---|---|---|", flush=True)
+    rows = []
+    _bench_copy(rows)
+    _bench_rms_norm(rows)
+    _bench_silu_mul(rows)
+    _bench_rope(rows)
+    _bench_store_kv(rows)
+    splits_64 = choose_num_splits(64, NUM_KV_HEADS, 4096, num_sms)
+    _bench_decode(rows, 64, 4096, [("triton v1", 1), ("triton v2 (4 splits)", 4)] +
+                  ([(f"triton auto ({splits_64} splits)", 0)] if splits_64 > 1 else []))
+    for batch in (1, 2, 4):
+        splits = choose_num_splits(batch, NUM_KV_HEADS, 32768, num_sms)
+        _bench_decode(rows, batch, 32768, [("triton v1", 1), (f"triton v2 ({splits} splits)", splits)])
+    _bench_prefill(rows)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    run()

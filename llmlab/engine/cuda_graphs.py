@@ -1,0 +1,79 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a big model launches ~10 kernels per layer; at batch 1 the GPU finishes
+each faster than Python can launch the next. So, at start-up, the decode forward is
+captured once per batch size of a ladder (1, 2, 4, 8, 16, 24, ...) over static input
+buffers; a pure-decode step copies its inputs into the buffers of the smallest captured
+size that fits (padding rows write nowhere: slot -1) and replays the graph. Prefill and
+mixed steps run eagerly: their shapes vary too much to capture.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmlab.model.llama import ForwardBatch
+
+
+def batch_size_ladder(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, max(max_num_seqs, 8) + 1, 8))
+    return [s for s in sizes if s <= max(max_num_seqs, 1)]
+
+
+class CudaGraphDecoder:
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, num_splits_for):
+        """`num_splits_for(batch_size)` picks the flash-decoding splits baked into each graph."""
+        self.model, self.kv_cache = model, kv_cache
+        device = kv_cache.device.device
+        self.sizes = batch_size_ladder(max_num_seqs)
+        n = self.sizes[-1]
+        ints = dict(device=device, dtype=torch.int32)
+        self.input_ids = torch.zeros(n, device=device, dtype=torch.int64)
+        self.positions = torch.zeros(n, device=device, dtype=torch.int64)
+        self.slot_mapping = torch.full((n,), -1, device=device, dtype=torch.int64)
+        self.seq_lens = torch.ones(n, **ints)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        for size in reversed(self.sizes):   # largest first, so smaller graphs reuse its memory
+            self._capture(size, num_splits_for(size))
+
+    def _batch(self, size: int, num_splits: int) -> ForwardBatch:
+        device = self.input_ids.device
+        empty = torch.zeros(0, device=device, dtype=torch.int32)
+        return ForwardBatch(
+            num_prefill_tokens=0, slot_mapping=self.slot_mapping[:size],
+            prefill_cu_seqlens_q=torch.zeros(1, device=device, dtype=torch.int32),
+            prefill_seq_lens=empty, prefill_block_tables=empty.reshape(0, 0),
+            decode_seq_lens=self.seq_lens[:size], decode_block_tables=self.block_tables[:size],
+            logits_indices=torch.arange(size, device=device), num_splits=num_splits)
+
+    def _capture(self, size: int, num_splits: int) -> None:
+        batch = self._batch(size, num_splits)
+        args = (self.input_ids[:size], self.positions[:size], batch, self.kv_cache.device)
+        self.model.forward(*args)   # warm-up: compiles kernels, allocates cached tensors
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[size] = self.model.forward(*args)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+
+    def can_run(self, num_seqs: int) -> bool:
+        return 0 < num_seqs <= self.sizes[-1]
+
+    def run(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the decode graph for an eager-shaped decode batch; logits [num_seqs, vocab]."""
+        num_seqs = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= num_seqs)
+        width = batch.decode_block_tables.shape[1]
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.slot_mapping[:num_seqs].copy_(batch.slot_mapping)
+        self.seq_lens[:num_seqs].copy_(batch.decode_seq_lens)
+        self.block_tables[:num_seqs, :width].copy_(batch.decode_block_tables)
+        # padding rows: attend to one (ignored) cached token, store nothing
+        self.slot_mapping[num_seqs:size].fill_(-1)
+        self.seq_lens[num_seqs:size].fill_(1)
+        self.graphs[size].replay()
+        return self.logits[size][:num_seqs]
