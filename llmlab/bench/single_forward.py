@@ -1,0 +1,158 @@
+"""single forward (SwiftLLM's first benchmark): one prefill forward and one decode step
+over a grid of (batch size, sequence length), llmlab against HF transformers (sdpa) in
+the same process; random bf16 weights in the Llama-3-8B shape unless --model is given."""
+from __future__ import annotations
+
+import json
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                 tie_word_embeddings=False, hidden_act="silu", bos_token_id=128000, eos_token_id=128001)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="random-llama3-8b", help="a HF folder, or random-llama3-8b")
+    parser.add_argument("--batch-sizes", default="1,64", help="comma-separated")
+    parser.add_argument("--seq-lens", default="512,2048", help="comma-separated")
+    parser.add_argument("--prefill-tokens-max", type=int, default=16384,
+                        help="skip prefill cells with batch x seq_len above this")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke tests)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384):
+    """An LLM with random weights in the Llama-3-8B shape (bf16 on CUDA), no tokenizer."""
+    import torch
+
+    from llmlab import EngineConfig, LLMEngine
+    from llmlab.config import ModelConfig
+    from llmlab.engine.llm import LLM
+    from llmlab.model.llama import LlamaModel
+
+    hf = dict(LLAMA3_8B)
+    if getattr(args, "layers", None):
+        hf["num_hidden_layers"] = args.layers
+    config = EngineConfig(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192)
+    model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
+    return LLM.from_engine(LLMEngine(config, model=model)), hf
+
+
+def _time_cuda(fn, repeats=10, warmup=3) -> float:
+    """Median milliseconds of fn() by CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def llmlab_cells(engine, batch_size, seq_len, do_prefill):
+    """(prefill ms, decode ms) for one forward: `batch_size` prompts of `seq_len` tokens,
+    then one decode step of those sequences at context seq_len (graph replay when captured)."""
+    import torch
+
+    from llmlab.request import Request
+    from llmlab.sampling import SamplingParams
+    from llmlab.scheduler import Plan, ScheduledItem
+
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(batch_size * 7919 + seq_len)
+    requests = []
+    for i in range(batch_size):
+        ids = torch.randint(16, vocab, (seq_len + 1,), generator=gen).tolist()
+        r = Request(f"bench-{i}", None, ids[:seq_len], SamplingParams())
+        r.output_token_ids = ids[seq_len:]
+        engine.block_manager.allocate(r, seq_len + 1)
+        requests.append(r)
+    try:
+        prefill_ms = None
+        if do_prefill:
+            plan = Plan(prefills=[ScheduledItem(r, "prefill", seq_len, 0) for r in requests])
+            inputs = engine.runner.prepare(plan)
+            prefill_ms = _time_cuda(lambda: engine.runner.forward(*inputs))
+        plan = Plan(decodes=[ScheduledItem(r, "decode", 1, seq_len) for r in requests])
+        inputs = engine.runner.prepare(plan)
+        decode_ms = _time_cuda(lambda: engine.runner.forward(*inputs), repeats=20)
+    finally:
+        for r in requests:
+            engine.block_manager.free(r)
+    return prefill_ms, decode_ms
+
+
+def hf_cells(model, batch_size, seq_len, do_prefill, vocab):
+    import torch
+    from transformers import DynamicCache
+
+    ids = torch.randint(16, vocab, (batch_size, seq_len), device="cuda")
+    prefill_ms = None
+    with torch.inference_mode():
+        if do_prefill:
+            prefill_ms = _time_cuda(lambda: model(ids, logits_to_keep=1), repeats=5)
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, logits_to_keep=1)
+        step = torch.randint(16, vocab, (batch_size, 1), device="cuda")
+
+        def decode():
+            model(step, past_key_values=cache, logits_to_keep=1)
+            cache.crop(seq_len)
+
+        decode_ms = _time_cuda(decode, repeats=20)
+    return prefill_ms, decode_ms
+
+
+def main(args) -> list[dict]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("single-forward times GPU forwards; it needs a CUDA device")
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    max_tokens = max(b * s for b in batch_sizes for s in seq_lens) + max(batch_sizes)
+    block_size = 16
+    llm, hf_config = random_engine(args, num_gpu_blocks=max_tokens // block_size + 2 * max(batch_sizes) + 8,
+                                   max_num_seqs=max(batch_sizes),
+                                   max_num_batched_tokens=min(args.prefill_tokens_max, max_tokens))
+    engine = llm.engine
+    cells = [(b, s) for b in batch_sizes for s in seq_lens]
+    results = []
+    for b, s in cells:
+        p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max)
+        results.append({"impl": "llmlab", "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
+    if not args.no_hf:
+        del llm, engine
+        torch.cuda.empty_cache()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**{k: v for k, v in hf_config.items() if k != "model_type"})
+        config._attn_implementation = "sdpa"
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(config).eval()   # random init (normal, std 0.02)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        for b, s in cells:
+            p, d = hf_cells(model, b, s, b * s <= args.prefill_tokens_max, hf_config["vocab_size"])
+            results.append({"impl": "hf-transformers (sdpa)", "batch_size": b, "seq_len": s,
+                            "prefill_ms": p, "decode_ms": d})
+    name = torch.cuda.get_device_name()
+    print(f"\nsingle forward, Llama-3-8B shape, bf16, {name}")
+    print("| impl | batch | seq len | prefill ms | decode ms |\n|---|---|---|---|---|")
+    for r in results:
+        p = "-" if r["prefill_ms"] is None else f"{r['prefill_ms']:.2f}"
+        print(f"| {r['impl']} | {r['batch_size']} | {r['seq_len']} | {p} | {r['decode_ms']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": name, "results": results}, f, indent=2)
+    return results
