@@ -23,6 +23,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--hf-num-requests", type=int, default=None,
+                        help="time HF on only the first N requests (it is slow); default all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -63,13 +65,32 @@ def run_llmlab(llm, requests) -> dict:
             "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
-def run_hf(model_path, requests, batch_size, dtype, device) -> dict:
+def hf_model(args, dtype, device):
+    """The HF transformers peer: the same folder, or random weights in the same shape."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if args.model == "random-llama3-8b":
+        from llmlab.bench.single_forward import LLAMA3_8B
+
+        config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
+        config._attn_implementation = "sdpa"
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                return LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    from llmlab.model.loader import resolve_model
+
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=dtype).to(device).eval()
+
+
+def run_hf(model, requests, batch_size, device) -> dict:
     """HF generate in static batches (left-padded); a batch runs until its longest output is
     done, and only the requested tokens count, which is the cost of static batching."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
 
     def generate(batch):
@@ -89,30 +110,34 @@ def run_hf(model_path, requests, batch_size, dtype, device) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = sum(n for _, n in requests)
-    return {"impl": f"hf-transformers generate (batch {batch_size})", "seconds": elapsed,
-            "output_tokens": tokens, "requests_per_s": len(requests) / elapsed,
+    return {"impl": f"hf-transformers generate (batch {batch_size}, {len(requests)} requests)",
+            "seconds": elapsed, "output_tokens": tokens, "requests_per_s": len(requests) / elapsed,
             "output_tokens_per_s": tokens / elapsed}
 
 
 def main(args) -> list[dict]:
+    import gc
     import platform
 
     import torch
 
     llm = build_llm(args)
     engine = llm.engine
+    dtype, device, backend = engine.dtype, engine.device.type, engine.backend
     requests = workload(args, engine.model_config.vocab_size)
     results = [run_llmlab(llm, requests)]
+    del llm, engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     if args.hf:
-        from llmlab.model.loader import resolve_model
-
-        path = resolve_model(args.model)
-        results.append(run_hf(str(path), requests, args.hf_batch_size, engine.dtype, engine.device.type))
-    device = torch.cuda.get_device_name() if engine.device.type == "cuda" else platform.processor() or "cpu"
-    print(f"\n{args.num_requests} requests on {device} ({engine.dtype}, {engine.backend} kernels)")
+        hf_requests = requests[:args.hf_num_requests or len(requests)]
+        results.append(run_hf(hf_model(args, dtype, device), hf_requests, args.hf_batch_size, device))
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    print(f"\n{args.num_requests} requests on {name} ({dtype}, {backend} kernels)")
     print("| impl | seconds | req/s | output tok/s |\n|---|---|---|---|")
     for r in results:
-        r.update(device=device, dtype=str(engine.dtype), num_requests=args.num_requests)
+        r.update(device=name, dtype=str(dtype))
         print(f"| {r['impl']} | {r['seconds']:.2f} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} |")
     if len(results) == 2:
         print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
