@@ -111,6 +111,7 @@ BENCHMARKS = {
     "single-forward": "llmlab.bench.single_forward",
     "offline": "llmlab.bench.offline",
     "serving": "llmlab.bench.serving",
+    "hooks": "llmlab.bench.hooks",
 }
 
 

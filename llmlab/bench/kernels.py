@@ -31,24 +31,41 @@ NUM_TOKENS = 8192
 DTYPE = torch.bfloat16
 
 
-def _time_ms(make_call, bytes_per_call=0):
-    """Median ms of one call. make_call(i) builds the i-th input set and returns a
-    zero-argument function; enough sets are built that together they exceed L2 4x."""
+def _time_ms(make_call, bytes_per_call=0, graph=True):
+    """Median ms of one call: (device time, eager time). make_call(i) builds the i-th
+    input set and returns a zero-argument function; enough sets are built that together
+    they exceed L2 4x, and calls cycle through them.
+
+    Device time replays the calls from a CUDA graph, as the engine's decode does: it is
+    what the GPU spends. Eager time launches each call from Python (do_bench), so it also
+    pays the launch cost -- tens of microseconds for a Triton kernel, more than several
+    of these kernels take on the GPU. graph=False reports eager time for both: for calls
+    that sync with the host (they cannot be captured) and for plain copies (captured,
+    they become copy-engine nodes, slower than the copy kernel).
+    """
     import triton.testing
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     copies = max(1, min(32, math.ceil(4 * l2 / bytes_per_call))) if bytes_per_call else 1
-    calls = [make_call(i) for i in range(copies)]
-    rotation = itertools.cycle(calls)
-    return triton.testing.do_bench(lambda: next(rotation)(), warmup=25, rep=200, return_mode="median")
+    rotation = itertools.cycle([make_call(i) for i in range(copies)])
+
+    def call():
+        return next(rotation)()
+
+    call()  # compile outside the timings
+    eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+    if not graph:
+        return eager, eager
+    return triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median"), eager
 
 
 def _randn(*shape, dtype=DTYPE):
     return torch.randn(shape, device="cuda", dtype=dtype)
 
 
-def _row(rows, kernel, shape, impl, ms, num_bytes=None, flops=None):
-    row = {"kernel": kernel, "shape": shape, "impl": impl, "ms": round(ms, 4)}
+def _row(rows, kernel, shape, impl, times, num_bytes=None, flops=None):
+    ms, ms_eager = times
+    row = {"kernel": kernel, "shape": shape, "impl": impl, "ms": round(ms, 4), "ms_eager": round(ms_eager, 4)}
     if num_bytes is not None:
         row["tb_s"] = round(num_bytes / ms / 1e9, 3)
         row["pct_roofline"] = round(100 * row["tb_s"] / COPY_TB_S, 1)
@@ -71,7 +88,8 @@ def _try(rows, kernel, shape, impl, fn):
 
 def _format(row):
     rate = f"{row['tb_s']} TB/s" if "tb_s" in row else f"{row.get('tflop_s', '')} TFLOP/s"
-    return f"| {row['kernel']} | {row['shape']} | {row['impl']} | {row['ms']:.4f} | {rate} | {row.get('pct_roofline', '')} |"
+    return (f"| {row['kernel']} | {row['shape']} | {row['impl']} | {row['ms']:.4f} | {row['ms_eager']:.4f} "
+            f"| {rate} | {row.get('pct_roofline', '')} |")
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -79,8 +97,7 @@ def _format(row):
 def _bench_copy(rows):
     n = 1 << 29  # 1 GiB of bf16
     src, dst = _randn(n), torch.empty(n, device="cuda", dtype=DTYPE)
-    ms = _time_ms(lambda i: lambda: dst.copy_(src))
-    _row(rows, "copy", "1 GiB", "torch", ms, num_bytes=2 * 2 * n)
+    _row(rows, "copy", "1 GiB", "torch", _time_ms(lambda i: lambda: dst.copy_(src), graph=False), num_bytes=2 * 2 * n)
 
 
 def _bench_rms_norm(rows):
@@ -143,10 +160,12 @@ def _bench_store_kv(rows):
         caches = [_randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(2)]
         return k, v, *caches, torch.randperm(NUM_TOKENS, device="cuda")
 
-    for impl, fn in [("triton", lambda *a: kernels.store_kv(*a, backend="triton")),
-                     ("torch index_put (reference)", reference.store_kv)]:
+    # The reference's boolean-mask indexing reads a count on the host: it cannot be graphed.
+    for impl, fn, graph in [("triton", lambda *a: kernels.store_kv(*a, backend="triton"), True),
+                            ("torch index_put (reference)", reference.store_kv, False)]:
         _try(rows, "store_kv", shape, impl, lambda: _row(
-            rows, "store_kv", shape, impl, _time_ms(lambda i: (lambda a: lambda: fn(*a))(inputs(i)), nbytes), nbytes))
+            rows, "store_kv", shape, impl,
+            _time_ms(lambda i: (lambda a: lambda: fn(*a))(inputs(i)), nbytes, graph=graph), nbytes))
 
 
 # ----------------------------------------------------------------------------- attention
@@ -164,32 +183,43 @@ def _paged_cache(seq_lens):
 
 
 def _sdpa_rows(rows, kernel, shape, q, k, v, is_causal, num_bytes=None, flops=None):
-    """SDPA's flash and cuDNN backends on contiguous [B, heads, L, D] tensors."""
+    """SDPA's flash and cuDNN backends on contiguous [B, heads, L, D] tensors (k and v
+    rotated with fresh random copies when they would fit in L2)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for impl, backend in [("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]:
-        def measure(impl=impl, backend=backend):
+        def make_call(i, backend=backend):
+            k_i, v_i = (k, v) if i == 0 else (torch.randn_like(k), torch.randn_like(v))
+
             def call():
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
-            call()  # fail here, outside timing, if the backend refuses these inputs
-            _row(rows, kernel, shape, impl, _time_ms(lambda i: call), num_bytes=num_bytes, flops=flops)
+                    return F.scaled_dot_product_attention(q, k_i, v_i, is_causal=is_causal, enable_gqa=True)
+            return call
+
+        def measure(impl=impl, make_call=make_call):
+            make_call(0)()  # fail here, outside timing, if the backend refuses these inputs
+            _row(rows, kernel, shape, impl, _time_ms(make_call, num_bytes or 0),
+                 num_bytes=num_bytes, flops=flops)
         _try(rows, kernel, shape, impl, measure)
 
 
 def _bench_decode(rows, batch, context, splits):
     shape = f"batch {batch} x ctx {context}"
-    k_cache, v_cache, block_tables = _paged_cache([context] * batch)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = _randn(batch, NUM_HEADS, HEAD_DIM)
     nbytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2  # K and V, read once
+
+    def triton_call(num_splits):
+        def make_call(i):
+            k_cache, v_cache, block_tables = _paged_cache([context] * batch)
+            return lambda: kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM ** -0.5,
+                                                    num_splits, backend="triton")
+        return make_call
+
     for impl, num_splits in splits:
         _try(rows, "decode_attention", shape, impl, lambda: _row(
-            rows, "decode_attention", shape, impl,
-            _time_ms(lambda i: lambda: kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                                HEAD_DIM ** -0.5, num_splits, backend="triton")),
-            num_bytes=nbytes))
-    del k_cache, v_cache
+            rows, "decode_attention", shape, impl, _time_ms(triton_call(num_splits), nbytes), num_bytes=nbytes))
+    torch.cuda.empty_cache()
     k, v = _randn(batch, NUM_KV_HEADS, context, HEAD_DIM), _randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
     _sdpa_rows(rows, "decode_attention", shape, q[:, :, None, :], k, v, False, num_bytes=nbytes)
 
@@ -207,7 +237,7 @@ def _bench_prefill(rows, context=4096):
                                                              seq_lens, HEAD_DIM ** -0.5, backend="triton")),
         flops=flops))
     k, v = _randn(1, NUM_KV_HEADS, context, HEAD_DIM), _randn(1, NUM_KV_HEADS, context, HEAD_DIM)
-    _sdpa_rows(rows, "prefill_attention", shape, q.transpose(0, 1)[None], k, v, True, flops=flops)
+    _sdpa_rows(rows, "prefill_attention", shape, q.transpose(0, 1)[None].contiguous(), k, v, True, flops=flops)
 
 
 def run(out_path=None) -> list[dict]:
@@ -220,7 +250,8 @@ def run(out_path=None) -> list[dict]:
     torch.manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
-    print("| kernel | shape | impl | ms | rate | % roofline |\n|---|---|---|---|---|---|", flush=True)
+    print("| kernel | shape | impl | ms (graph) | ms (eager) | rate | % roofline |\n|---|---|---|---|---|---|---|",
+          flush=True)
     rows = []
     _bench_copy(rows)
     _bench_rms_norm(rows)
@@ -229,7 +260,7 @@ def run(out_path=None) -> list[dict]:
     _bench_store_kv(rows)
     splits_64 = choose_num_splits(64, NUM_KV_HEADS, 4096, num_sms)
     _bench_decode(rows, 64, 4096, [("triton v1", 1), ("triton v2 (4 splits)", 4)] +
-                  ([(f"triton auto ({splits_64} splits)", 0)] if splits_64 > 1 else []))
+                  ([(f"triton v2 ({splits_64} splits, chosen)", splits_64)] if splits_64 > 1 else []))
     for batch in (1, 2, 4):
         splits = choose_num_splits(batch, NUM_KV_HEADS, 32768, num_sms)
         _bench_decode(rows, batch, 32768, [("triton v1", 1), (f"triton v2 ({splits} splits)", splits)])
@@ -242,3 +273,13 @@ def run(out_path=None) -> list[dict]:
 
 if __name__ == "__main__":
     run()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+
+
+def main(args) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels times compiled Triton kernels; it needs a CUDA device")
+    return run(args.out)

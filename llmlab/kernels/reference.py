@@ -135,6 +135,10 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     k = k_cache[tables].reshape(num_seqs, -1, *k_cache.shape[2:])[:, :max_len].float()
     v = v_cache[tables].reshape(num_seqs, -1, *v_cache.shape[2:])[:, :max_len].float()
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [S, L]
+    # rows past a sequence's end are whatever the cache holds there (maybe NaN): zero them,
+    # since a masked-out NaN still poisons the weighted sum (0 * NaN = NaN)
+    k = k.masked_fill(~mask[:, :, None, None], 0)
+    v = v.masked_fill(~mask[:, :, None, None], 0)
     q4 = q.float()[:, :, None, :]                                                  # [S, H, 1, D]
     k4, v4 = k.transpose(1, 2), v.transpose(1, 2)                                  # [S, Hkv, L, D]
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[:, None, None, :],

@@ -71,8 +71,8 @@ def rms_norm(x, weight, eps, residual=None):
     num_tokens = x2.shape[0]
     if num_tokens > 0:
         block = triton.next_power_of_2(hidden_size)
-        # ~16 elements per thread: wide enough for 16-byte loads, few enough for registers.
-        num_warps = min(max(block // 512, 1), 16)
+        # ~32 elements per thread: 4096 -> 4 warps (2 to 8 ran equally fast on an H200).
+        num_warps = min(max(block // 1024, 1), 16)
         _rms_norm_kernel[(num_tokens,)](
             x2, residual2, weight, out, residual_out,
             x2.stride(0), residual2.stride(0), out.stride(0), residual_out.stride(0),

@@ -2,8 +2,6 @@
 token copies all of its kv heads to the slot the block manager assigned it."""
 from __future__ import annotations
 
-import torch
-
 from . import enable_interpreter_if_no_cuda
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a

@@ -1,0 +1,408 @@
+"""Every Triton kernel computes what its pure-torch spec in `llmlab.kernels.reference` says.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter (slow, so the
+parameter grids below are a representative cross-section, not the full product). The
+`gpu` group repeats the checks with bf16/fp16 and Llama-3-8B shapes on a CUDA device.
+
+Out-of-bounds reads are made visible: inputs are views into larger NaN-filled tensors,
+and every cache slot that no sequence owns is NaN, so a kernel that reads one returns
+NaN. store_kv's writes are compared over the whole (NaN-filled) cache, so a stray write
+shows too.
+"""
+import math
+
+import pytest
+import torch
+
+from llmlab import kernels
+from llmlab.kernels import reference
+from llmlab.kernels.triton_decode_attention import choose_num_splits
+
+NAN = float("nan")
+LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+# fp32 kernels do the reference's math in another order (dots in "ieee" precision), so
+# they agree to a few fp32 ulps of values of order 1.
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+# 16-bit elementwise kernels round once where the reference rounds after every op:
+# at most about two half-precision ulps apart (2^-10 relative each).
+FP16_ELEMENTWISE_TOL = dict(atol=1e-3, rtol=2e-3)
+# fp16 attention rounds the softmax probabilities to fp16 for the P @ V product
+# (2^-11 relative each) and the output to fp16; outputs are averages of N(0, 1) values.
+FP16_ATTENTION_TOL = dict(atol=3e-3, rtol=3e-3)
+# bf16 has 8 significant bits (ulp 2^-7 at 1): the same roundings, 8x coarser.
+BF16_ELEMENTWISE_TOL = dict(atol=1e-2, rtol=1.6e-2)
+BF16_ATTENTION_TOL = dict(atol=2e-2, rtol=2e-2)
+# The reference's rope rounds both products x * cos and rotate_half(x) * sin (up to ~5
+# for N(0, 1) inputs) before adding them, so where the sum cancels it is off by up to
+# ~1.5 ulps *of the products*: an absolute tolerance of two ulps at 4 (2^-8 in fp16).
+FP16_ROPE_TOL = dict(atol=8e-3, rtol=2e-3)
+BF16_ROPE_TOL = dict(atol=6.25e-2, rtol=1.6e-2)
+
+
+def tolerance(dtype, attention=False, rope=False):
+    if dtype == torch.float32:
+        return FP32_TOL
+    if rope:
+        return FP16_ROPE_TOL if dtype == torch.float16 else BF16_ROPE_TOL
+    if dtype == torch.float16:
+        return FP16_ATTENTION_TOL if attention else FP16_ELEMENTWISE_TOL
+    return BF16_ATTENTION_TOL if attention else BF16_ELEMENTWISE_TOL
+
+
+def randn_view(*shape, dtype, gen, dev="cpu"):
+    """Random N(0, 1) values in a view of a NaN-filled tensor one longer in every dim, so
+    a read past any edge of the view turns into NaN in the result."""
+    base = torch.full([s + 1 for s in shape], NAN, dtype=dtype, device=dev)
+    view = base[tuple(slice(0, s) for s in shape)]
+    view.copy_(torch.randn(shape, generator=gen).to(dtype))
+    return view
+
+
+def paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, dev="cpu", spare_blocks=3):
+    """K/V caches holding random rows for each sequence's first seq_len tokens, in shuffled
+    (non-contiguous) blocks, and the block tables that find them. Everything no sequence
+    owns is NaN: spare blocks, slots past a sequence's end, and the table's padding
+    entries, which point at block 0. Block 0 is always spare, because a kernel's masked
+    lanes typically gather block 0: its contents must never reach the result."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, NAN, dtype=dtype)
+    v_cache = torch.full(shape, NAN, dtype=dtype)
+    block_ids = (1 + torch.randperm(num_blocks - 1, generator=gen)).to(torch.int32)
+    max_blocks = max(blocks_per_seq, default=0) + 1  # at least one padding entry per row
+    block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
+    used = 0
+    for i, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq)):
+        block_tables[i, :n] = block_ids[used:used + n]
+        used += n
+        positions = torch.arange(seq_len)
+        slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
+        rows = (seq_len, num_kv_heads, head_dim)
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(rows, generator=gen).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(rows, generator=gen).to(dtype)
+    return k_cache.to(dev), v_cache.to(dev), block_tables.to(dev)
+
+
+def assert_same_with_nans(actual, expected):
+    """Equal values, and NaN in exactly the same places."""
+    assert torch.equal(actual.isnan(), expected.isnan())
+    assert torch.equal(actual.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden_size", [576, 1024])  # SmolLM2's non-power-of-two size, and a power of two
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden_size, with_residual):
+    gen = torch.Generator().manual_seed(0)
+    x = randn_view(7, hidden_size, dtype=dtype, gen=gen)
+    weight = randn_view(hidden_size, dtype=dtype, gen=gen)
+    residual = randn_view(7, hidden_size, dtype=dtype, gen=gen) if with_residual else None
+    actual = kernels.rms_norm(x, weight, 1e-5, residual, backend="triton")
+    expected = reference.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        torch.testing.assert_close(actual[1], expected[1], atol=0, rtol=0)  # one rounding of x + residual
+        actual, expected = actual[0], expected[0]
+    torch.testing.assert_close(actual, expected, **tolerance(dtype))
+
+
+def test_rms_norm_leading_dims_and_empty():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, generator=gen)
+    weight = torch.randn(64, generator=gen)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6, backend="triton"),
+                               reference.rms_norm(x, weight, 1e-6), **FP32_TOL)
+    assert kernels.rms_norm(x[:0, 0], weight, 1e-6, backend="triton").shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (32, 8, 128)])
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
+def test_rope(dtype, num_heads, num_kv_heads, head_dim, scaling):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens = 32
+    q = randn_view(num_tokens, num_heads, head_dim, dtype=dtype, gen=gen)
+    k = randn_view(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    # 0 and 1, and positions far past LLaMA-3's original 8192, where the scaling matters
+    positions = torch.cat([torch.tensor([0, 1]), torch.randint(0, 131072, (num_tokens - 2,), generator=gen)])
+    theta = 500000.0
+    actual = kernels.rope(q, k, positions, theta, scaling, backend="triton")
+    expected = reference.rope(q, k, positions, theta, scaling)
+    torch.testing.assert_close(actual[0], expected[0], **tolerance(dtype, rope=True))
+    torch.testing.assert_close(actual[1], expected[1], **tolerance(dtype, rope=True))
+
+
+def test_rope_inplace_and_empty():
+    from llmlab.kernels.triton_rope import rope
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(4, 6 + 2 * 2, 64, generator=gen)  # a fused projection's output, split by views
+    q, k = qkv[:, :6], qkv[:, 6:8]
+    expected = reference.rope(q, k, torch.arange(4), 10000.0)
+    rope(q, k, torch.arange(4), 10000.0, inplace=True)
+    torch.testing.assert_close(q, expected[0], **FP32_TOL)
+    torch.testing.assert_close(k, expected[1], **FP32_TOL)
+    empty_q, empty_k = kernels.rope(q[:0], k[:0], torch.arange(0), 10000.0, backend="triton")
+    assert empty_q.shape == (0, 6, 64) and empty_k.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [300, 2048 + 5])  # under one block; two blocks with a ragged tail
+def test_silu_mul(dtype, n):
+    gen = torch.Generator().manual_seed(4)
+    x = randn_view(6, 2 * n, dtype=dtype, gen=gen) * 3  # gates well into silu's curved part
+    torch.testing.assert_close(kernels.silu_mul(x, backend="triton"), reference.silu_mul(x), **tolerance(dtype))
+
+
+def test_silu_mul_leading_dims_and_empty():
+    x = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(kernels.silu_mul(x, backend="triton"), reference.silu_mul(x), **FP32_TOL)
+    assert kernels.silu_mul(x[:0], backend="triton").shape == (0, 3, 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (8, 128)])
+def test_store_kv(dtype, block_size, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(6)
+    num_tokens, num_blocks = 9, 5
+    k = randn_view(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    v = randn_view(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 5]] = -1  # padding tokens write nothing
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    assert kernels.store_kv(k, v, k_cache, v_cache, slots, backend="triton") is None
+    reference.store_kv(k, v, k_expected, v_expected, slots)
+    assert_same_with_nans(k_cache, k_expected)  # a copy: bit-exact, and nothing else touched
+    assert_same_with_nans(v_cache, v_expected)
+
+
+def test_store_kv_empty():
+    cache = torch.zeros(2, 16, 2, 64)
+    kernels.store_kv(torch.zeros(0, 2, 64), torch.zeros(0, 2, 64), cache, cache.clone(),
+                     torch.zeros(0, dtype=torch.int64), backend="triton")
+
+
+# ----------------------------------------------------------------------------- attention
+
+def ragged(block_size):
+    """Context lengths around the block boundaries, and one ~3.5 blocks long."""
+    return [1, block_size - 1, block_size, block_size + 1, 7 * block_size // 2]
+
+
+def prefill_lengths(kind, block_size):
+    """(seq_lens, query_lens). query_len == seq_len is a whole-prompt prefill; shorter is
+    a chunk whose earlier context is already cached (chunked prefill, a prefix-cache hit);
+    0 is a sequence with nothing to compute this step."""
+    if kind == "ragged":
+        return ragged(block_size), ragged(block_size)
+    # 70 queries after 33 cached tokens: two query tiles, whose causal diagonals end one
+    # key past a KV-tile edge (33 = 1 mod 32) -- where an off-by-one in the bound shows.
+    return [block_size + 3, 33 + 70, 2 * block_size, 5], [3, 70, 0, 5]
+
+
+GQA = pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2), (8, 1)],
+                              ids=["mha", "gqa3", "gqa4", "gqa8"])
+ATTENTION_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+
+
+@pytest.mark.parametrize("lengths", ["ragged", "chunked"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@GQA
+@ATTENTION_DTYPES
+def test_prefill_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, lengths):
+    seq_lens, query_lens = prefill_lengths(lengths, block_size)
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    q = randn_view(sum(query_lens), num_heads, head_dim, dtype=dtype, gen=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    actual = kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                       backend="triton")
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+def test_prefill_attention_empty_batch():
+    k_cache, v_cache, block_tables = paged_kv([], 16, 2, 64, torch.float32, torch.Generator())
+    out = kernels.prefill_attention(torch.zeros(0, 4, 64), k_cache, v_cache, block_tables,
+                                    torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                                    0.125, backend="triton")
+    assert out.shape == (0, 4, 64)
+
+
+def check_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits):
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    q = randn_view(len(seq_lens), num_heads, head_dim, dtype=dtype, gen=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                                      backend="triton")
+    # The reference reads whole blocks and masks afterwards (0 * NaN = NaN), so it gets
+    # the caches with the unowned slots zeroed; the kernel must never read them at all.
+    expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                                          block_tables, seq_lens, scale)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["v1", "v2"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@GQA
+@ATTENTION_DTYPES
+def test_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    check_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, ragged(block_size), num_splits)
+
+
+def test_decode_attention_more_splits_than_tiles():
+    """Splits past the end of a short sequence are empty and must weigh nothing."""
+    check_decode_attention(torch.float32, 4, 1, 128, 16, [1, 100], num_splits=5)
+
+
+@pytest.mark.parametrize("num_splits", [0, None])
+def test_decode_attention_chooses_splits(num_splits):
+    check_decode_attention(torch.float32, 3, 1, 64, 16, [5, 60], num_splits)
+
+
+def test_decode_attention_empty_batch():
+    k_cache, v_cache, block_tables = paged_kv([], 16, 2, 64, torch.float32, torch.Generator())
+    out = kernels.decode_attention(torch.zeros(0, 4, 64), k_cache, v_cache, block_tables,
+                                   torch.zeros(0, dtype=torch.int32), 0.125, 1, backend="triton")
+    assert out.shape == (0, 4, 64)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(64, 8, 4096) == 1         # 512 programs already fill 132 SMs 4 deep
+    assert choose_num_splits(1, 8, 200) == 1           # short context: nothing worth splitting
+    assert choose_num_splits(1, 8, 32768) > 8          # 8 programs would leave most SMs idle
+    assert choose_num_splits(4, 8, 32768) < choose_num_splits(1, 8, 32768)
+    assert choose_num_splits(0, 8, 4096) == 1
+
+
+# ----------------------------------------------------------------------------- GPU, 16-bit, large
+
+def gpu(test):
+    """Marks a test `gpu` (select with `pytest -m gpu`) and skips it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+# Llama-3-8B: 32 query heads, 8 kv heads, head_dim 128, hidden 4096, intermediate 14336.
+H, HKV, D = 32, 8, 128
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("hidden_size", [4096, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_rms_norm(dtype, hidden_size, with_residual):
+    gen = torch.Generator().manual_seed(10)
+    x = randn_view(1000, hidden_size, dtype=dtype, gen=gen, dev="cuda")
+    weight = randn_view(hidden_size, dtype=dtype, gen=gen, dev="cuda")
+    residual = randn_view(1000, hidden_size, dtype=dtype, gen=gen, dev="cuda") if with_residual else None
+    actual = kernels.rms_norm(x, weight, 1e-5, residual, backend="triton")
+    expected = reference.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        torch.testing.assert_close(actual[1], expected[1], atol=0, rtol=0)
+        actual, expected = actual[0], expected[0]
+    torch.testing.assert_close(actual, expected, **tolerance(dtype))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_rope(dtype):
+    gen = torch.Generator().manual_seed(11)
+    num_tokens = 2048
+    q = randn_view(num_tokens, H, D, dtype=dtype, gen=gen, dev="cuda")
+    k = randn_view(num_tokens, HKV, D, dtype=dtype, gen=gen, dev="cuda")
+    positions = torch.randint(0, 131072, (num_tokens,), generator=gen).cuda()  # large angles: needs accurate cos/sin
+    actual = kernels.rope(q, k, positions, 500000.0, LLAMA3_SCALING, backend="triton")
+    expected = reference.rope(q, k, positions, 500000.0, LLAMA3_SCALING)
+    torch.testing.assert_close(actual[0], expected[0], **tolerance(dtype, rope=True))
+    torch.testing.assert_close(actual[1], expected[1], **tolerance(dtype, rope=True))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_silu_mul_and_store_kv(dtype):
+    gen = torch.Generator().manual_seed(12)
+    x = randn_view(1000, 2 * 14336, dtype=dtype, gen=gen, dev="cuda") * 3
+    torch.testing.assert_close(kernels.silu_mul(x, backend="triton"), reference.silu_mul(x), **tolerance(dtype))
+    num_tokens, num_blocks, block_size = 3000, 400, 16
+    k = randn_view(num_tokens, HKV, D, dtype=dtype, gen=gen, dev="cuda")
+    v = randn_view(num_tokens, HKV, D, dtype=dtype, gen=gen, dev="cuda")
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
+    slots[::7] = -1
+    k_cache = torch.full((num_blocks, block_size, HKV, D), NAN, dtype=dtype, device="cuda")
+    v_cache = torch.full_like(k_cache, NAN)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    kernels.store_kv(k, v, k_cache, v_cache, slots, backend="triton")
+    reference.store_kv(k, v, k_expected, v_expected, slots)
+    assert_same_with_nans(k_cache, k_expected)
+    assert_same_with_nans(v_cache, v_expected)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([4096], [4096]),                                   # one long prompt
+    ([1, 15, 16, 17, 600, 2500], [1, 15, 16, 17, 600, 2500]),
+    ([5000, 300, 1040], [512, 300, 17]),                # chunks after cached context
+], ids=["4k", "ragged", "chunked"])
+def test_gpu_prefill_attention(dtype, seq_lens, query_lens):
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, dtype, gen, dev="cuda")
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).cuda()
+    q = randn_view(sum(query_lens), H, D, dtype=dtype, gen=gen, dev="cuda")
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    actual = kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, D ** -0.5,
+                                       backend="triton")
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, D ** -0.5)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+@gpu
+def test_gpu_fp32_attention():
+    """fp32 takes other tile sizes on a GPU (and FMA dots, not tensor cores)."""
+    gen = torch.Generator().manual_seed(15)
+    seq_lens, query_lens = [1, 15, 16, 17, 300, 1000], [1, 15, 16, 5, 300, 64]
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, torch.float32, gen, dev="cuda")
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = randn_view(sum(query_lens), H, D, dtype=torch.float32, gen=gen, dev="cuda")
+    torch.testing.assert_close(
+        kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, D ** -0.5, backend="triton"),
+        reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, D ** -0.5), **FP32_TOL)
+    q = randn_view(len(seq_lens), H, D, dtype=torch.float32, gen=gen, dev="cuda")
+    expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), block_tables, lens,
+                                          D ** -0.5)
+    for num_splits in (1, 4):
+        actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, lens, D ** -0.5, num_splits,
+                                          backend="triton")
+        torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 1000, 4096, 4100, 333], [32768], [9000, 20000]],
+                         ids=["ragged", "32k", "two-long"])
+@pytest.mark.parametrize("num_splits", [1, 7, None])
+def test_gpu_decode_attention(dtype, seq_lens, num_splits):
+    gen = torch.Generator().manual_seed(14)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, dtype, gen, dev="cuda")
+    q = randn_view(len(seq_lens), H, D, dtype=dtype, gen=gen, dev="cuda")
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, D ** -0.5, num_splits,
+                                      backend="triton")
+    expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                                          block_tables, seq_lens, D ** -0.5)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
