@@ -115,6 +115,12 @@ BENCHMARKS = {
 }
 
 
+def _missing(command: str, package: str):
+    def fail(args):
+        raise ValueError(f"`{command}` needs the Python package {package!r}, which is not installed")
+    return fail
+
+
 def _add_module_parsers(sub, modules: dict, help_prefix: str) -> None:
     import importlib
 
@@ -122,9 +128,11 @@ def _add_module_parsers(sub, modules: dict, help_prefix: str) -> None:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            continue    # this command is not part of this version
+            if err.name == module_name:
+                continue    # this command is not part of this version
+            p = sub.add_parser(name, help=f"{help_prefix} {name} (unavailable: needs {err.name})")
+            p.set_defaults(func=_missing(name, err.name))
+            continue
         p = sub.add_parser(name, help=f"{help_prefix} {name}: {(module.__doc__ or '').strip().splitlines()[0]}")
         module.add_arguments(p)
         p.set_defaults(func=module.main)

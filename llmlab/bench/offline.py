@@ -45,7 +45,7 @@ def build_llm(args):
     from llmlab.bench.single_forward import random_engine
 
     if args.model == "random-llama3-8b":
-        return random_engine(args)
+        return random_engine(args)[0]
     return llmlab.LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                       max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens)

@@ -34,6 +34,9 @@ class CudaGraphDecoder:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # a graph replays raw addresses: every tensor it reads (logits_indices too) must live
+        # as long as the graph, or the allocator hands its memory to someone else
+        self.batches: dict[int, ForwardBatch] = {}
         self.pool = None
         for size in reversed(self.sizes):   # largest first, so smaller graphs reuse its memory
             self._capture(size, num_splits_for(size))
@@ -49,7 +52,7 @@ class CudaGraphDecoder:
             logits_indices=torch.arange(size, device=device), num_splits=num_splits)
 
     def _capture(self, size: int, num_splits: int) -> None:
-        batch = self._batch(size, num_splits)
+        batch = self.batches[size] = self._batch(size, num_splits)
         args = (self.input_ids[:size], self.positions[:size], batch, self.kv_cache.device)
         self.model.forward(*args)   # warm-up: compiles kernels, allocates cached tensors
         torch.cuda.synchronize()
