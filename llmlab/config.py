@@ -29,6 +29,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # "swap" | "recompute"
     enforce_eager: bool = False         # True = no CUDA graphs for decode steps
     seed: int = 0
+    tensor_parallel_size: int = 1       # ranks (GPUs) the model is sharded over, Megatron-style
 
     def __post_init__(self):
         checks = [
@@ -48,6 +49,8 @@ class EngineConfig:
              "None or >= 1"),
             ("preemption_mode", self.preemption_mode in ("swap", "recompute"),
              "swap or recompute"),
+            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
+             and self.tensor_parallel_size >= 1, "a positive integer"),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -64,10 +64,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
         # logits [num_seqs, vocab]
-        logits = logits.float()
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
+            logits = logits.float()
             rows = torch.tensor(sampled, device=logits.device)
             probs = self.probabilities(logits[rows], [params[i] for i in sampled])
             for j, i in enumerate(sampled):

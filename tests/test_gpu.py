@@ -17,11 +17,12 @@ SMALL_LLAMA3 = dict(model_type="llama", vocab_size=32000, hidden_size=1024, inte
 
 def greedy(dtype, backend, enforce_eager, num_gpu_blocks=512):
     config = EngineConfig(device="cuda", dtype=dtype, backend=backend, enforce_eager=enforce_eager,
-                          num_gpu_blocks=num_gpu_blocks, max_num_seqs=16, max_num_batched_tokens=256)
+                          num_gpu_blocks=num_gpu_blocks, max_num_seqs=16, max_num_batched_tokens=1024)
     model = LlamaModel.random(ModelConfig.from_hf(SMALL_LLAMA3), config.resolved_dtype(), "cuda", seed=1)
     engine = LLMEngine(config, model=model)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(16, 32000, (n,), generator=gen).tolist() for n in (5, 17, 40, 33, 100, 1)]
+    # lengths up to 700 make the decode batch ask for flash-decoding splits > 1 as it grows
+    prompts = [torch.randint(16, 32000, (n,), generator=gen).tolist() for n in (5, 17, 40, 33, 700, 1)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
@@ -39,9 +40,9 @@ def test_cuda_graphs_match_eager_fp32():
 
 
 def test_cuda_graphs_match_eager_bf16():
-    graphs, eager = greedy("bfloat16", "triton", False), greedy("bfloat16", "triton", True)
-    # bf16 near-ties may flip late tokens if the split count differs; the first tokens must agree
-    assert [g[:8] for g in graphs] == [e[:8] for e in eager]
+    # the graphs run the same kernels with the same split counts as eager, so even bf16
+    # rounding is identical and the tokens must be too
+    assert greedy("bfloat16", "triton", False) == greedy("bfloat16", "triton", True)
 
 
 def test_triton_backend_matches_torch_backend_fp32():

@@ -20,6 +20,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke tests)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the GPU time per kernel of one eager decode step per cell")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor_parallel_size: shard llmlab's model over this many GPUs "
+                             "(the HF peer stays on one)")
 
 
 def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384):
@@ -35,7 +40,8 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
     if getattr(args, "layers", None):
         hf["num_hidden_layers"] = args.layers
     config = EngineConfig(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192)
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
+                          tensor_parallel_size=getattr(args, "tp", 1))
     model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
     return LLM.from_engine(LLMEngine(config, model=model)), hf
 
@@ -57,7 +63,21 @@ def _time_cuda(fn, repeats=10, warmup=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def llmlab_cells(engine, batch_size, seq_len, do_prefill):
+def _profile(fn, title) -> None:
+    """Print where the GPU time of fn() goes, by kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"\n{title}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
     """(prefill ms, decode ms) for one forward: `batch_size` prompts of `seq_len` tokens,
     then one decode step of those sequences at context seq_len (graph replay when captured)."""
     import torch
@@ -84,6 +104,9 @@ def llmlab_cells(engine, batch_size, seq_len, do_prefill):
         plan = Plan(decodes=[ScheduledItem(r, "decode", 1, seq_len) for r in requests])
         inputs = engine.runner.prepare(plan)
         decode_ms = _time_cuda(lambda: engine.runner.forward(*inputs), repeats=20)
+        if profile:
+            _profile(lambda: engine.model.forward(*inputs, engine.kv_cache.device),
+                     f"eager decode step, batch {batch_size}, context {seq_len}")
     finally:
         for r in requests:
             engine.block_manager.free(r)
@@ -127,9 +150,12 @@ def main(args) -> list[dict]:
     cells = [(b, s) for b in batch_sizes for s in seq_lens]
     results = []
     for b, s in cells:
-        p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max)
-        results.append({"impl": "llmlab", "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
+        p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max, args.profile)
+        impl = "llmlab" if args.tp == 1 else f"llmlab (tp={args.tp})"
+        results.append({"impl": impl, "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
     if not args.no_hf:
+        if engine.executor is not None:   # tensor parallel: free the other GPUs' workers now
+            engine.executor.shutdown()
         del llm, engine
         torch.cuda.empty_cache()
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -2,10 +2,12 @@
 
 A decode step of a big model launches ~10 kernels per layer; at batch 1 the GPU finishes
 each faster than Python can launch the next. So, at start-up, the decode forward is
-captured once per batch size of a ladder (1, 2, 4, 8, 16, 24, ...) over static input
-buffers; a pure-decode step copies its inputs into the buffers of the smallest captured
-size that fits (padding rows write nowhere: slot -1) and replays the graph. Prefill and
-mixed steps run eagerly: their shapes vary too much to capture.
+captured per batch size of a ladder (1, 2, 4, 8, 16, 24, ...) over static input buffers;
+a pure-decode step copies its inputs into the buffers of the smallest size that fits
+(padding rows write nowhere: slot -1) and replays the graph. The number of flash-decoding
+splits is baked into a graph, so graphs are keyed by (size, splits): every size is captured
+with one split at start-up, other split counts (powers of two) the first time a long
+context asks for them. Prefill and mixed steps run eagerly: their shapes vary too much.
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphDecoder:
-    def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, num_splits_for):
-        """`num_splits_for(batch_size)` picks the flash-decoding splits baked into each graph."""
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int):
         self.model, self.kv_cache = model, kv_cache
         device = kv_cache.device.device
         self.sizes = batch_size_ladder(max_num_seqs)
@@ -32,14 +33,14 @@ class CudaGraphDecoder:
         self.slot_mapping = torch.full((n,), -1, device=device, dtype=torch.int64)
         self.seq_lens = torch.ones(n, **ints)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         # a graph replays raw addresses: every tensor it reads (logits_indices too) must live
         # as long as the graph, or the allocator hands its memory to someone else
-        self.batches: dict[int, ForwardBatch] = {}
+        self.batches: dict[tuple[int, int], ForwardBatch] = {}
         self.pool = None
         for size in reversed(self.sizes):   # largest first, so smaller graphs reuse its memory
-            self._capture(size, num_splits_for(size))
+            self._capture(size, 1)
 
     def _batch(self, size: int, num_splits: int) -> ForwardBatch:
         device = self.input_ids.device
@@ -52,15 +53,16 @@ class CudaGraphDecoder:
             logits_indices=torch.arange(size, device=device), num_splits=num_splits)
 
     def _capture(self, size: int, num_splits: int) -> None:
-        batch = self.batches[size] = self._batch(size, num_splits)
+        key = (size, num_splits)
+        batch = self.batches[key] = self._batch(size, num_splits)
         args = (self.input_ids[:size], self.positions[:size], batch, self.kv_cache.device)
         self.model.forward(*args)   # warm-up: compiles kernels, allocates cached tensors
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[size] = self.model.forward(*args)
+            self.logits[key] = self.model.forward(*args)
         self.pool = graph.pool()
-        self.graphs[size] = graph
+        self.graphs[key] = graph
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]
@@ -69,6 +71,9 @@ class CudaGraphDecoder:
         """Replay the decode graph for an eager-shaped decode batch; logits [num_seqs, vocab]."""
         num_seqs = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_seqs)
+        key = (size, batch.num_splits)
+        if key not in self.graphs:
+            self._capture(size, batch.num_splits)
         width = batch.decode_block_tables.shape[1]
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
@@ -78,5 +83,5 @@ class CudaGraphDecoder:
         # padding rows: attend to one (ignored) cached token, store nothing
         self.slot_mapping[num_seqs:size].fill_(-1)
         self.seq_lens[num_seqs:size].fill_(1)
-        self.graphs[size].replay()
-        return self.logits[size][:num_seqs]
+        self.graphs[key].replay()
+        return self.logits[key][:num_seqs]

@@ -36,11 +36,22 @@ class LLMEngine:
 
             folder = resolve_model(config.model)
             model_config = load_config(folder)
+            # tensor parallel: the full model waits on the CPU to be cut into per-GPU shards
+            load_device = self.device if config.tensor_parallel_size == 1 else torch.device("cpu")
             model = LlamaModel.from_state_dict(model_config, iter_weights(folder), self.dtype,
-                                               self.device, self.backend)
+                                               load_device, self.backend)
             has_tokenizer = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
             if tokenizer is None and has_tokenizer:   # a bare weights folder runs on token ids
                 tokenizer = Tokenizer(str(folder))
+        # ---- tensor parallelism (llmlab.engine.distributed): this process is rank 0 and keeps
+        # one shard; its forward also runs the shards of tensor_parallel_size - 1 workers
+        self.executor = None
+        if config.tensor_parallel_size > 1:
+            from llmlab.engine.distributed import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config, model.config)   # starts the workers
+            model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
+        # ----
         model.backend = self.backend
         self.model, self.tokenizer = model, tokenizer
         self.model_config: ModelConfig = model.config
@@ -57,7 +68,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_device, num_host, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy)
-        use_graphs = (self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager)
+        use_graphs = (self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager
+                      and self.executor is None)   # a graph replay would skip the workers' step
         self.runner = Runner(model, self.kv_cache, config.block_size, self.device,
                              config.max_num_seqs, self.max_model_len, use_graphs)
         self.sampler = Sampler(config.seed)
@@ -157,6 +169,8 @@ class LLMEngine:
         timings["schedule"], clock = time.perf_counter() - clock, time.perf_counter()
         self.kv_cache.swap_out(plan.swap_out_copies)   # before swap-in: they may reuse blocks
         self.kv_cache.swap_in(plan.swap_in_copies)
+        if self.executor is not None:   # every rank caches its own kv heads
+            self.executor.swap(plan.swap_out_copies, plan.swap_in_copies)
         timings["swap"], clock = time.perf_counter() - clock, time.perf_counter()
         sampled, advanced, kernel_timings = {}, [], {}
         if not plan.is_empty:
@@ -170,7 +184,9 @@ class LLMEngine:
             timings["forward"], clock = self._lap(clock)
             rows = [i for i, item in enumerate(plan.items) if item.completes_prompt]
             requests = [plan.items[i].request for i in rows]
-            tokens = self.sampler(logits[rows], [r.params for r in requests],
+            if len(rows) < len(plan.items):   # mid-prompt chunks sample nothing
+                logits = logits[rows]
+            tokens = self.sampler(logits, [r.params for r in requests],
                                   [r.generator for r in requests]) if rows else []
             timings["sample"], clock = self._lap(clock)
             for item in plan.items:

@@ -23,16 +23,17 @@ class Runner:
         if use_cuda_graphs:
             from llmlab.engine.cuda_graphs import CudaGraphDecoder
 
-            self.graphs = CudaGraphDecoder(model, kv_cache, max_num_seqs, -(-max_model_len // block_size),
-                                           lambda size: self.num_splits(size, max_model_len))
+            self.graphs = CudaGraphDecoder(model, kv_cache, max_num_seqs, -(-max_model_len // block_size))
 
     def num_splits(self, num_seqs: int, max_seq_len: int) -> int:
-        """Flash-decoding splits for the Triton decode kernel (1 = PagedAttention v1)."""
+        """Flash-decoding splits for the Triton decode kernel (1 = PagedAttention v1), rounded
+        down to a power of two so that few CUDA graphs cover every context length."""
         if self.model.backend != "triton" or self.device.type != "cuda":
             return 1
         from llmlab.kernels.triton_decode_attention import choose_num_splits
 
-        return choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len)
+        splits = choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len)
+        return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):
         """Returns input_ids [T], positions [T] and the ForwardBatch for the plan."""
@@ -41,7 +42,7 @@ class Runner:
         cu_seqlens_q, prefill_lens, prefill_tables = [0], [], []
         for item in plan.prefills:
             request, start, end = item.request, item.start_position, item.start_position + item.num_tokens
-            input_ids += request.all_token_ids[start:end]
+            input_ids += request.token_ids_between(start, end)
             positions += range(start, end)
             table = request.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -51,7 +52,7 @@ class Runner:
         decode_lens, decode_tables = [], []
         for item in plan.decodes:
             request, p = item.request, item.start_position
-            input_ids.append(request.all_token_ids[p])
+            input_ids += request.token_ids_between(p, p + 1)
             positions.append(p)
             slots.append(request.block_table[p // bs] * bs + p % bs)
             decode_lens.append(p + 1)

@@ -139,16 +139,22 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     # since a masked-out NaN still poisons the weighted sum (0 * NaN = NaN)
     k = k.masked_fill(~mask[:, :, None, None], 0)
     v = v.masked_fill(~mask[:, :, None, None], 0)
-    q4 = q.float()[:, :, None, :]                                                  # [S, H, 1, D]
-    k4, v4 = k.transpose(1, 2), v.transpose(1, 2)                                  # [S, Hkv, L, D]
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :].to(q.dtype)
+    q, mask = q[:, None], mask[:, None, :]          # one query per sequence: [S, 1, H, D], [S, 1, L]
+    return _attend_batched(q.float(), k, v, mask, scale)[:, 0].to(q.dtype)
+
+
+def _attend_batched(q, k, v, mask, scale):
+    """softmax(q k^T * scale, masked) v for a batch, query head h reading kv head h // G.
+    q [B, N, H, D], k/v [B, L, Hkv, D], mask bool [B, N, L] -> [B, N, H, D]."""
+    batch, num_queries, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, num_queries, kv_heads, heads // kv_heads, head_dim)     # [B, N, Hkv, G, D]
+    scores = torch.einsum("bnkgd,blkd->bkgnl", q, k) * scale                      # [B, Hkv, G, N, L]
+    scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
+    out = torch.einsum("bkgnl,blkd->bnkgd", scores.softmax(dim=-1), v)
+    return out.reshape(batch, num_queries, heads, head_dim)
 
 
 def _attend(q, k, v, mask, scale):
-    """softmax(q k^T * scale + mask) v with grouped-query heads.
-    q [N, H, D], k/v [L, Hkv, D], mask bool [N, L] -> [N, H, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    """One sequence: q [N, H, D], k/v [L, Hkv, D], mask bool [N, L] -> [N, H, D]."""
+    return _attend_batched(q[None], k[None], v[None], mask[None], scale)[0]

@@ -62,6 +62,9 @@ class LlamaModel:
         self.backend = backend      # kernel backend; None = llmlab.kernels' default
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.taps: dict | None = None
+        # tensor parallelism: a TensorParallelGroup (llmlab.model.tensor_parallel) when this
+        # model is one rank's shard; None on a single device, where it costs one `if` per point
+        self.tp_group = None
 
     # ---- forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -69,7 +72,10 @@ class LlamaModel:
         """input_ids, positions [T]; kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D].
         Returns logits [S, vocab] (float32) for each sequence's last token."""
         cfg, b = self.config, self.backend
-        hidden = F.embedding(input_ids, self.embed)
+        if self.tp_group is None:
+            hidden = F.embedding(input_ids, self.embed)
+        else:   # vocab-parallel embedding: each rank holds a slice of the table
+            hidden = self.tp_group.embedding(input_ids, self.embed)
         self._tap("embed", hidden)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -81,12 +87,17 @@ class LlamaModel:
             self._tap(f"layers.{i}.attn", hidden)
             x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
             hidden = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up), backend=b), layer.down)
+            if self.tp_group is not None:   # row-parallel down: sum the ranks' partial outputs
+                hidden = self.tp_group.all_reduce(hidden)
             self._tap(f"layers.{i}.mlp", hidden)
         # only the last token of each sequence needs the final norm and the vocab projection
         idx = batch.logits_indices
         last, _ = kernels.rms_norm(hidden[idx], self.norm, cfg.rms_norm_eps, residual[idx], backend=b)
         self._tap("norm", last)
-        logits = F.linear(last, self.lm_head).float()
+        logits = F.linear(last, self.lm_head)
+        if self.tp_group is not None:   # vocab-parallel lm_head: gather every rank's vocab slice
+            logits = self.tp_group.gather_logits(logits)
+        logits = logits.float()
         self._tap("logits", logits)
         return logits
 
@@ -114,7 +125,10 @@ class LlamaModel:
                 q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
                 self.scale, batch.num_splits, backend=b))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return F.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
+        out = F.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
+        if self.tp_group is not None:   # row-parallel o_proj: sum the ranks' partial outputs
+            out = self.tp_group.all_reduce(out)
+        return out
 
     # ---- hook points ---------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,0 +1,151 @@
+"""Exercise 08 -- FlashAttention prefill over a paged KV cache.  Difficulty: **** (hard)
+
+Read first: notebooks/03_flash_attention_prefill.ipynb, notebooks/04_paged_kv_cache.ipynb
+and kernels_explained/prefill_attention.md (exercises 05 and 06 come first).
+
+Task
+    Write `_prefill_attention_kernel`. A prefill batch holds the new query tokens of
+    several sequences back to back: sequence s owns query rows cu_seqlens_q[s] ..
+    cu_seqlens_q[s+1] - 1, and has seq_lens[s] tokens in the cache in total, this chunk's
+    K/V included (store_kv ran first). Its queries are its *newest* tokens, so query j
+    sits at position
+
+        context_len + j,   context_len = seq_len - num_queries
+
+    and, causally, sees keys 0 .. context_len + j. (context_len > 0 is a later chunk of a
+    long prompt -- chunked prefill -- or a prompt whose prefix was cached.)
+
+    One program computes a tile of BLOCK_M query rows of one sequence for one head
+    (FlashAttention-2): it walks the keys in tiles of BLOCK_N, gathering them through the
+    block table (exercise 06), scores the whole tile with one `tl.dot`, masks what the
+    causal rule hides, and keeps a running max, sum and output accumulator per query row
+    (exercise 05's online softmax, on [BLOCK_M] vectors). The spec is
+    `llmlab.kernels.reference.prefill_attention`; the launcher has its signature, so
+    `llmlab.kernels.override(prefill_attention=prefill_attention)` runs the model's
+    prompt processing on your kernel.
+
+Shapes
+    q [num_tokens, num_heads, head_dim] (all sequences' queries, concatenated);
+    caches [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs,
+    max_blocks_per_seq] int32; cu_seqlens_q [num_seqs + 1]; seq_lens [num_seqs];
+    out [num_tokens, num_heads, head_dim]. The grid is (num_seqs, num_heads,
+    query tiles of the longest sequence): a program whose tile starts past its sequence's
+    queries returns at once. A sequence may have 0 queries this step.
+
+Hints
+    - Rows of the tile past num_queries: mask their q load and their store.
+    - Causal upper bound: the tile's last row sits at context_len + (m_block + 1) * BLOCK_M - 1;
+      keys past it are hidden from every row, so the key loop can stop at
+      min(seq_len, context_len + (m_block + 1) * BLOCK_M).
+    - Mask per score: key n is visible to row j if n <= query_pos[j] and n < seq_len.
+    - `tl.dot(a, b, input_precision="ieee")` keeps float32 exact enough to match the
+      reference; `tl.trans(k)` turns [BLOCK_N, D] into [D, BLOCK_N].
+    - acc [BLOCK_M, HEAD_DIM] is rescaled per row: `acc * alpha[:, None]`.
+
+Grade: `make grade`, or `pytest tests/exercises/test_ex08_prefill_attention.py --impl=exercises`.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmlab.kernels import enable_interpreter_if_no_cuda
+
+# On a machine without CUDA, Triton must be told to interpret before any @triton.jit runs.
+enable_interpreter_if_no_cuda()
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+BLOCK_M = 32  # query rows per program
+BLOCK_N = 16  # keys per tile (tl.dot wants at least 16 rows and columns)
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    scale, num_heads, num_kv_heads, max_blocks_per_seq,
+    stride_block, stride_slot, stride_head,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (sequence, head, query tile): causal attention of BLOCK_M query rows over
+    the sequence's paged context, with an online softmax per row."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    num_queries = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= num_queries:
+        return  # the grid covers the longest sequence; this one has fewer query tiles
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - num_queries      # tokens cached before this chunk
+    kv_head = head // (num_heads // num_kv_heads)  # grouped-query attention
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows, within the sequence
+    row_ok = offs_m < num_queries
+    query_pos = context_len + offs_m                    # each row's position in the sequence
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + offs_m).to(tl.int64) * num_heads + head  # rows of q viewed as [T * H, D]
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: see exercise 05
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Causal bound: the tile's last row sees keys up to its own position; every key tile
+    # after that would be fully masked, so the loop stops there.
+    kv_end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        in_seq = n < seq_len
+        block = tl.load(block_tables_ptr + seq * max_blocks_per_seq + n // BLOCK_SIZE,
+                        mask=in_seq, other=0).to(tl.int64)
+        rows = block * stride_block + (n % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=in_seq[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=in_seq[:, None], other=0.0)
+
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        visible = (n[None, :] <= query_pos[:, None]) & in_seq[None, :]   # causal, and inside the sequence
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))   # per row
+        alpha = tl.exp(m - m_new)                       # rescales each row's earlier tiles
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    # Every real row sees at least key 0, so l > 0 there; padding rows are not stored.
+    out = acc / l[:, None]
+    tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """Causal attention of each sequence's new query tokens over its whole paged context.
+    See kernels_explained/prefill_attention.md."""
+    # q:            [num_tokens, num_heads, head_dim]   queries of all sequences, concatenated
+    # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+    # block_tables: [num_seqs, max_blocks_per_seq] int32
+    # cu_seqlens_q: [num_seqs + 1] int   sequence s owns q rows cu[s]:cu[s+1]
+    # seq_lens:     [num_seqs] int       cached tokens of sequence s, this chunk included
+    # returns out:  [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
+    assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, f"head_dim {head_dim} must be a power of two >= 16"
+    assert block_tables.shape[0] == num_seqs and cu_seqlens_q.shape == (num_seqs + 1,)
+    q, block_tables = q.contiguous(), block_tables.contiguous()
+    cu_seqlens_q, seq_lens = cu_seqlens_q.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # The grid needs the longest query count, read on the host (simple; the engine's
+    # kernel finds its tiles on the GPU instead, to avoid waiting for the host).
+    max_queries = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    grid = (num_seqs, num_heads, triton.cdiv(max_queries, BLOCK_M))
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale, num_heads, num_kv_heads, block_tables.shape[1],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )
+    return out

@@ -1,0 +1,42 @@
+"""Exercise 01, fused residual RMSNorm: what `llmlab.kernels.reference.rms_norm` computes."""
+import pytest
+import torch
+
+from grading import FP32_TOL, generate_token_ids, randn, randn_view
+from llmlab.kernels import reference
+
+EXERCISE = "ex01_rms_norm"
+
+
+@pytest.mark.parametrize("hidden_size", [576, 64, 1000])  # SmolLM2's, a power of two, a ragged tail
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_matches_reference(ex, hidden_size, with_residual):
+    gen = torch.Generator().manual_seed(hidden_size)
+    x = randn_view(5, hidden_size, gen=gen)
+    weight = randn_view(hidden_size, gen=gen)
+    residual = randn_view(5, hidden_size, gen=gen) if with_residual else None
+    actual = ex.rms_norm(x, weight, 1e-5, residual)
+    expected = reference.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        assert isinstance(actual, tuple) and len(actual) == 2, "with a residual, return (out, x + residual)"
+        torch.testing.assert_close(actual[1], expected[1], **FP32_TOL)
+        actual, expected = actual[0], expected[0]
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+def test_large_values_and_other_eps(ex):
+    gen = torch.Generator().manual_seed(1)
+    x, weight = randn(3, 96, gen=gen, scale=1000.0), randn(96, gen=gen)
+    torch.testing.assert_close(ex.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), **FP32_TOL)
+
+
+def test_leading_dims_and_empty(ex):
+    gen = torch.Generator().manual_seed(2)
+    x, weight = randn(2, 3, 64, gen=gen), randn(64, gen=gen)
+    torch.testing.assert_close(ex.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **FP32_TOL)
+    assert ex.rms_norm(x[:0, 0], weight, 1e-5).shape == (0, 64)
+
+
+def test_end_to_end(ex, engine_llm, reference_token_ids):
+    """The embedded model, every RMSNorm on your kernel: the same greedy tokens."""
+    assert generate_token_ids(engine_llm, rms_norm=ex.rms_norm) == reference_token_ids

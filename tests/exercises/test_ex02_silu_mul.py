@@ -1,0 +1,32 @@
+"""Exercise 02, SwiGLU's silu(gate) * up: what `llmlab.kernels.reference.silu_mul` computes."""
+import pytest
+import torch
+
+from grading import DEVICE, FP32_TOL, generate_token_ids, randn, randn_view
+from llmlab.kernels import reference
+
+EXERCISE = "ex02_silu_mul"
+
+
+@pytest.mark.parametrize("n", [8, 300, 2 * 1024 + 5])  # tiny; one partial block; three blocks, ragged tail
+def test_matches_reference(ex, n):
+    gen = torch.Generator().manual_seed(n)
+    x = randn_view(4, 2 * n, gen=gen) * 4  # gates well into silu's curved part, and very negative ones
+    torch.testing.assert_close(ex.silu_mul(x), reference.silu_mul(x), **FP32_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(100) = inf in fp32: fine
+def test_extreme_gates(ex):
+    x = torch.tensor([[-100.0, -5.0, 0.0, 5.0, 100.0, 2.0, 2.0, 2.0, 2.0, 2.0]], device=DEVICE)  # gates | ups
+    torch.testing.assert_close(ex.silu_mul(x), reference.silu_mul(x), **FP32_TOL)
+
+
+def test_leading_dims_and_empty(ex):
+    x = randn(2, 3, 40, gen=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(ex.silu_mul(x), reference.silu_mul(x), **FP32_TOL)
+    assert ex.silu_mul(x[:0]).shape == (0, 3, 20)
+
+
+def test_end_to_end(ex, engine_llm, reference_token_ids):
+    """The embedded model, every MLP activation on your kernel: the same greedy tokens."""
+    assert generate_token_ids(engine_llm, silu_mul=ex.silu_mul) == reference_token_ids

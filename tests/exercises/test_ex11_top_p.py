@@ -1,0 +1,66 @@
+"""Exercise 11, top-p filtering: the nucleus of `llmlab.sampling.Sampler.probabilities`."""
+import pytest
+import torch
+
+from llmlab.sampling import Sampler, SamplingParams
+
+EXERCISE = "ex11_top_p"
+
+
+def sampler_probabilities(logits, top_p):
+    return Sampler.probabilities(logits, [SamplingParams(temperature=1.0, top_p=top_p)] * logits.shape[0])
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99, 1.0])
+def test_matches_the_sampler(ex, top_p):
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    filtered = ex.top_p_filter(logits, top_p)
+    assert filtered.shape == logits.shape
+    kept = filtered != float("-inf")
+    assert torch.equal(filtered[kept], logits[kept]), "kept logits must be unchanged"
+    torch.testing.assert_close(filtered.softmax(-1), sampler_probabilities(logits, top_p), atol=1e-7, rtol=1e-6)
+
+
+def test_always_keeps_the_most_likely_token(ex):
+    logits = torch.tensor([[0.0, 10.0, 1.0, 2.0], [5.0, 5.1, 5.2, 5.3]])
+    filtered = ex.top_p_filter(logits, 1e-6)
+    assert (filtered != float("-inf")).sum(-1).tolist() == [1, 1]
+    assert filtered[0, 1] == 10.0 and filtered[1, 3] == 5.3
+
+
+def test_smallest_set_reaching_top_p(ex):
+    # probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled order): 0.5 + 0.3 >= 0.7, so two tokens
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    filtered = ex.top_p_filter(logits, 0.7)
+    assert (filtered != float("-inf")).tolist() == [[False, True, False, True]]
+
+
+def test_one_top_p_per_row(ex):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)) * 2
+    top_p = torch.tensor([0.2, 0.8, 1.0])
+    filtered = ex.top_p_filter(logits, top_p)
+    for row, p in enumerate(top_p.tolist()):
+        torch.testing.assert_close(filtered[row:row + 1].softmax(-1), sampler_probabilities(logits[row:row + 1], p),
+                                   atol=1e-7, rtol=1e-6)
+
+
+def test_full_vocabulary(ex):
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(2)) * 4  # SmolLM2's vocabulary
+    torch.testing.assert_close(ex.top_p_filter(logits, 0.9).softmax(-1), sampler_probabilities(logits, 0.9),
+                               atol=1e-7, rtol=1e-6)
+
+
+def test_end_to_end(ex, llm, monkeypatch):
+    """The engine's sampler on your filter: seeded top-p sampling generates the same text."""
+    params = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.7, seed=1234)
+    prompt = "My favourite animal is"
+    expected = llm.generate(prompt, params)[0].token_ids
+
+    def probabilities(logits, params_list):
+        assert all(p.top_k == -1 for p in params_list)
+        temperature = torch.tensor([p.temperature for p in params_list], device=logits.device)[:, None]
+        top_p = torch.tensor([p.top_p for p in params_list], device=logits.device)
+        return ex.top_p_filter(logits / temperature, top_p).softmax(dim=-1)
+
+    monkeypatch.setattr(Sampler, "probabilities", staticmethod(probabilities))
+    assert llm.generate(prompt, params)[0].token_ids == expected
