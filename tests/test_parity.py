@@ -1,5 +1,4 @@
 """The embedded model through llmlab matches HF transformers loading the same GGUF file."""
-import pytest
 import torch
 
 import llmlab

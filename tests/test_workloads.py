@@ -1,7 +1,6 @@
 """Randomized workloads (hypothesis): whatever the scheduler does — chunked prefill, swap or
 recompute preemption, prefix caching, aborts — greedy outputs equal those of a roomy,
 unchunked engine, and every block comes back."""
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -126,7 +125,8 @@ def test_abort_while_swapped_out():
     prompts = [[5] * 30, [7] * 30, [9] * 30]
     engine = engine_with(num_gpu_blocks=12, preemption_mode="swap", swap_space=0.001,
                          enable_chunked_prefill=True, max_num_batched_tokens=64)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for _ in range(200):
         engine.step()
         if engine.scheduler.swapped:

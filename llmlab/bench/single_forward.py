@@ -29,8 +29,6 @@ def add_arguments(parser) -> None:
 
 def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384):
     """An LLM with random weights in the Llama-3-8B shape (bf16 on CUDA), no tokenizer."""
-    import torch
-
     from llmlab import EngineConfig, LLMEngine
     from llmlab.config import ModelConfig
     from llmlab.engine.llm import LLM
