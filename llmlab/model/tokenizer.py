@@ -3,11 +3,12 @@ detokenization: text grows as tokens arrive, only complete UTF-8 is shown, and a
 string is never shown even when it spans several tokens (as vLLM does it)."""
 from __future__ import annotations
 
-from transformers import AutoTokenizer
 
 
 class Tokenizer:
     def __init__(self, path: str):
+        from transformers import AutoTokenizer   # slow to import: only when a model has a tokenizer
+
         self.hf = AutoTokenizer.from_pretrained(path)
         self.eos_token_id = self.hf.eos_token_id
 
