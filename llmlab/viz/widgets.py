@@ -1,0 +1,399 @@
+"""Watching an engine from Jupyter: `record` a whole run, or drive one step by step.
+
+`Stepper(engine, workload)` is Step / Run N / Reset buttons, add-request controls, a slider
+that scrubs through the recorded steps, and figures that update in place after each step.
+`BlockPlayground(block_manager)` does the same for a bare BlockManager (allocate, append,
+fork, free, swap). Both also work from code (`stepper.step(3)`, `stepper.figures[...]`),
+and without a widget frontend (nbval, nbconvert, a terminal) they show static figures,
+so a notebook runs headless unchanged.
+"""
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass
+
+from llmlab.hooks import Recorder, Trace
+from llmlab.request import Request
+from llmlab.sampling import SamplingParams
+from llmlab.viz import figures
+
+
+def has_widget_frontend() -> bool:
+    """Whether this code runs in a kernel whose frontend draws widgets. Conservative: True only
+    when the running cell came from JupyterLab / Notebook 7 (they send the cell's id with each
+    execute request; nbval and nbclient do not). LLMLAB_WIDGETS=1 or 0 overrides."""
+    forced = os.environ.get("LLMLAB_WIDGETS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        from IPython import get_ipython
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None or not hasattr(kernel, "get_parent"):
+        return False
+    return "cellId" in (kernel.get_parent() or {}).get("metadata", {})
+
+
+def _show(*figs):
+    from IPython.display import display
+
+    for fig in figs:
+        display(fig)
+
+
+# ---- recording a run -----------------------------------------------------------------------
+@dataclass
+class Arrival:
+    """A request of a workload, added to the engine just before step `step` of the run."""
+    prompt: str | list[int]
+    params: SamplingParams
+    step: int = 0
+
+
+def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> Trace:
+    """Run `workload` on `engine` to completion with a Recorder attached; returns its Trace
+    (meta holds the engine's block size and scheduling knobs, plus `meta`)."""
+    recorder = Recorder(**_engine_meta(engine), **meta)
+    engine.hooks.attach(recorder)
+    pending = sorted(workload, key=lambda a: a.step)
+    step = 0
+    try:
+        while (pending or engine.has_unfinished_requests()) and step < max_steps:
+            if not engine.has_unfinished_requests():
+                step = max(step, pending[0].step)   # nothing to do until the next arrival
+            while pending and pending[0].step <= step:
+                arrival = pending.pop(0)
+                engine.add_request(arrival.prompt, arrival.params)
+            engine.step()
+            step += 1
+    finally:
+        engine.hooks.detach(recorder)
+    return recorder.trace
+
+
+def _engine_meta(engine) -> dict:
+    c = engine.config
+    return {"block_size": c.block_size, "max_num_batched_tokens": c.max_num_batched_tokens,
+            "enable_chunked_prefill": c.enable_chunked_prefill,
+            "enable_prefix_caching": c.enable_prefix_caching, "preemption_mode": c.preemption_mode,
+            "num_gpu_blocks": engine.block_manager.num_device_blocks}
+
+
+# ---- figures that update in place ------------------------------------------------------------
+class FigureView:
+    """A figure shown once and then updated in place: plotly's FigureWidget when it can be
+    built (it needs the anywidget package), else an Output widget that redraws the figure."""
+
+    def __init__(self, fig):
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        try:
+            self.widget, self.in_place = go.FigureWidget(fig), True
+        except ImportError:
+            self.widget, self.in_place = widgets.Output(), False
+            self.update(fig)
+
+    def update(self, fig) -> None:
+        if not self.in_place:
+            from IPython.display import clear_output
+
+            with self.widget:
+                clear_output(wait=True)
+                _show(fig)
+            return
+        target = self.widget
+        with target.batch_update():
+            if [t.type for t in target.data] == [t.type for t in fig.data]:
+                for old, new in zip(target.data, fig.data):
+                    props = new.to_plotly_json()
+                    props.pop("type", None)
+                    props.pop("uid", None)
+                    old.update(props, overwrite=True)
+            else:
+                target.data = []
+                target.add_traces(list(fig.data))
+            target.update_layout(fig.layout.to_plotly_json(), overwrite=True)
+
+
+# ---- the engine stepper --------------------------------------------------------------------
+class Stepper:
+    """Drive `engine` one step at a time and watch it: block table, batch composition and
+    request timeline, redrawn after every step. `workload` (Arrivals) is queued on Reset; each
+    Arrival is added before the step whose index (counted from the reset) is its `step`."""
+
+    FIGURES = ("block_table", "batch_composition", "request_timeline")
+
+    def __init__(self, engine, workload: list[Arrival] = (), figures: tuple = FIGURES, max_blocks: int = 64):
+        self.engine, self.workload, self.names, self.max_blocks = engine, list(workload), figures, max_blocks
+        self.recorder: Recorder | None = None
+        self.figures: dict = {}
+        self.outputs: dict = {}           # request id -> latest RequestOutput
+        self._widget = None
+        self.reset()
+
+    @property
+    def trace(self) -> Trace:
+        return self.recorder.trace
+
+    # ---- driving -----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Abort every request, start a new trace, queue the workload again (blocks in the
+        engine's prefix cache stay cached, as they would in a server)."""
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        if self.recorder is not None:
+            self.engine.hooks.detach(self.recorder)
+        self.recorder = Recorder(**_engine_meta(self.engine))
+        self.engine.hooks.attach(self.recorder)
+        self.pending = sorted(self.workload, key=lambda a: a.step)
+        self.num_steps, self.position, self.outputs = 0, None, {}
+        self.refresh()
+
+    def add(self, prompt, params: SamplingParams | None = None) -> str:
+        """Add a request now; it is scheduled from the next step on."""
+        rid = self.engine.add_request(prompt, params or SamplingParams(max_tokens=16, temperature=0.0))
+        self.refresh()
+        return rid
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.engine.has_unfinished_requests()
+
+    def step(self, n: int = 1) -> None:
+        """Run up to `n` engine steps (fewer when everything has finished)."""
+        for _ in range(n):
+            if self.done:
+                break
+            while self.pending and self.pending[0].step <= self.num_steps:
+                arrival = self.pending.pop(0)
+                self.engine.add_request(arrival.prompt, arrival.params)
+            for out in self.engine.step():
+                self.outputs[out.request_id] = out
+            self.num_steps += 1
+            self.position = None          # follow the newest step
+            if self._widget is not None:
+                self.refresh()            # the UI shows every step of a Run N
+        if self._widget is None:
+            self.refresh()
+
+    def run(self, max_steps: int = 1000) -> None:
+        """Step until every request (and every pending arrival) has finished."""
+        self.step(max_steps)
+
+    def show_step(self, index: int | None) -> None:
+        """Draw the figures as they were after recorded step `index` (None = the newest)."""
+        self.position = index
+        self.refresh()
+
+    # ---- drawing -----------------------------------------------------------------------
+    def draw(self) -> dict:
+        trace, index = self.trace, self.position
+        if index is None and trace.steps:
+            index = len(trace.steps) - 1
+        current = trace.steps[index].step if trace.steps else None
+        out = {}
+        if "block_table" in self.names:
+            if trace.steps:
+                out["block_table"] = figures.block_table(trace, index, max_blocks=self.max_blocks)
+            else:
+                out["block_table"] = figures.block_table(figures.engine_state(self.engine),
+                                                         max_blocks=self.max_blocks,
+                                                         title="KV block table (no step yet)")
+        if "batch_composition" in self.names:
+            out["batch_composition"] = figures.batch_composition(trace, current_step=current)
+        if "request_timeline" in self.names:
+            out["request_timeline"] = figures.request_timeline(trace, current_step=current)
+        if "memory_usage" in self.names:
+            out["memory_usage"] = figures.memory_usage(trace)
+        return out
+
+    def refresh(self) -> None:
+        self.figures = self.draw()
+        if self._widget is None:
+            return
+        for name, view in self._views.items():
+            view.update(self.figures[name])
+        last = max(len(self.trace.steps) - 1, 0)
+        self._syncing = True
+        self._slider.max = last
+        self._slider.value = last if self.position is None else self.position
+        self._syncing = False
+        stats = self.engine.kv_stats()
+        self._status.value = (
+            f"<b>{len(self.trace.steps)} steps</b> &middot; {stats['num_running']} running, "
+            f"{stats['num_waiting']} waiting, {stats['num_swapped']} swapped, "
+            f"{len(self.pending)} still to arrive &middot; device blocks free "
+            f"{stats['free_device_blocks']}/{stats['total_device_blocks']}"
+            + (" &middot; <b>all done</b>" if self.done else ""))
+        rows = "".join(f"<tr><td>req {rid}</td><td>{out.finish_reason or ''}</td>"
+                       f"<td>{html.escape(out.text)}</td></tr>" for rid, out in self.outputs.items())
+        header = "<tr><th>request</th><th>finished</th><th>text so far</th></tr>"
+        self._texts.value = f"<table>{header}{rows}</table>"
+
+    @property
+    def widget(self):
+        """The ipywidgets UI (built on first use)."""
+        if self._widget is None:
+            self._widget = self._build()
+            self.refresh()
+        return self._widget
+
+    def _build(self):
+        import ipywidgets as widgets
+
+        self._log = widgets.Output()
+        self._views = {name: FigureView(fig) for name, fig in self.figures.items()}
+
+        def action(fn):
+            def handler(_):
+                with self._log:
+                    fn()
+            return handler
+
+        step = widgets.Button(description="Step", button_style="primary", tooltip="run one engine step")
+        run_n = widgets.Button(description="Run N", tooltip="run N engine steps")
+        n = widgets.BoundedIntText(value=5, min=1, max=1000, description="N",
+                                   layout=widgets.Layout(width="130px"))
+        reset = widgets.Button(description="Reset", button_style="warning",
+                               tooltip="abort everything, queue the workload again")
+        step.on_click(action(lambda: self.step(1)))
+        run_n.on_click(action(lambda: self.step(n.value)))
+        reset.on_click(action(self.reset))
+        prompt = widgets.Text(placeholder="a new prompt", layout=widgets.Layout(width="320px"))
+        max_tokens = widgets.BoundedIntText(value=16, min=1, max=512, description="max_tokens",
+                                            layout=widgets.Layout(width="180px"))
+        add = widgets.Button(description="Add request", tooltip="add the prompt (greedy) to the engine")
+        add.on_click(action(lambda: prompt.value and self.add(prompt.value, SamplingParams(
+            max_tokens=max_tokens.value, temperature=0.0))))
+        self._slider = widgets.IntSlider(min=0, max=0, description="recorded step", continuous_update=False,
+                                         style={"description_width": "initial"},
+                                         layout=widgets.Layout(width="500px"))
+        self._syncing = False
+
+        def scrub(change):
+            if not self._syncing:
+                with self._log:
+                    last = len(self.trace.steps) - 1
+                    self.show_step(None if change["new"] >= last else change["new"])
+        self._slider.observe(scrub, names="value")
+        self._status, self._texts = widgets.HTML(), widgets.HTML()
+        return widgets.VBox([widgets.HBox([step, run_n, n, reset]), widgets.HBox([prompt, max_tokens, add]),
+                             self._status, self._slider, *[v.widget for v in self._views.values()],
+                             self._texts, self._log])
+
+    def _ipython_display_(self):
+        if has_widget_frontend():
+            _show(self.widget)
+        else:
+            _show(*self.figures.values())
+
+
+# ---- a block manager by hand -------------------------------------------------------------
+class BlockPlayground:
+    """Allocate, append, fork, free and swap requests on a BlockManager and watch its block
+    table. Each method is the BlockManager call the scheduler would make, plus the
+    bookkeeping the engine does after a forward (`num_computed_tokens`, `cache_full_blocks`)."""
+
+    def __init__(self, block_manager, max_blocks: int = 64):
+        self.block_manager, self.max_blocks = block_manager, max_blocks
+        self.requests: dict[str, Request] = {}
+        self._view = None
+        self._next_token = 1000      # made-up token ids: only their equality matters here
+
+    def _tokens(self, n):
+        self._next_token += n
+        return list(range(self._next_token - n, self._next_token))
+
+    def _computed(self, request):
+        request.num_computed_tokens = request.num_tokens   # as if the forward wrote their K/V
+        self.block_manager.cache_full_blocks(request)
+        self.refresh()
+        return request
+
+    def allocate(self, name: str, num_tokens: int, token_ids: list[int] | None = None) -> Request:
+        """A new request with a prompt of `num_tokens` tokens: blocks for all of them."""
+        request = Request(name, None, token_ids or self._tokens(num_tokens), SamplingParams())
+        self.block_manager.allocate(request, request.num_tokens)
+        self.requests[name] = request
+        return self._computed(request)
+
+    def append(self, name: str, num_tokens: int = 1) -> Request:
+        """Decode `num_tokens` more tokens: a new block only when the last one is full."""
+        request = self.requests[name]
+        for token in self._tokens(num_tokens):
+            request.output_token_ids.append(token)
+            self.block_manager.allocate(request, request.num_tokens)
+        return self._computed(request)
+
+    def fork(self, parent: str, child: str) -> Request:
+        """A request with the same tokens as `parent`: its full blocks are shared through the
+        prefix cache (ref count 2); the last, partial block is recomputed into a block of its own."""
+        request = Request(child, None, list(self.requests[parent].all_token_ids), SamplingParams())
+        self.block_manager.match_prefix(request)
+        self.block_manager.allocate(request, request.num_tokens)
+        self.requests[child] = request
+        return self._computed(request)
+
+    def free(self, name: str) -> list[int]:
+        """The request finished: drop its references; returns the blocks that became free."""
+        freed = self.block_manager.free(self.requests.pop(name))
+        self.refresh()
+        return freed
+
+    def swap_out(self, name: str) -> list[tuple[int, int]]:
+        copies = self.block_manager.swap_out(self.requests[name])
+        self.refresh()
+        return copies
+
+    def swap_in(self, name: str) -> list[tuple[int, int]]:
+        copies = self.block_manager.swap_in(self.requests[name])
+        self.refresh()
+        return copies
+
+    def figure(self, title: str | None = None):
+        state = figures.block_manager_state(self.block_manager, list(self.requests.values()))
+        tokens = {name: request.num_computed_tokens for name, request in self.requests.items()}
+        return figures.block_table(state, block_size=self.block_manager.block_size, num_tokens=tokens,
+                                   max_blocks=self.max_blocks, title=title or "KV block table")
+
+    def refresh(self) -> None:
+        if self._view is not None:
+            self._view.update(self.figure())
+
+    @property
+    def widget(self):
+        import ipywidgets as widgets
+
+        if self._view is None:
+            self._view = FigureView(self.figure())
+            log = widgets.Output()
+            name = widgets.Text(value="a", description="request", layout=widgets.Layout(width="180px"))
+            other = widgets.Text(value="b", description="fork to", layout=widgets.Layout(width="180px"))
+            tokens = widgets.BoundedIntText(value=6, min=1, max=256, description="tokens",
+                                            layout=widgets.Layout(width="150px"))
+            buttons = {"allocate": lambda: self.allocate(name.value, tokens.value),
+                       "append": lambda: self.append(name.value, tokens.value),
+                       "fork": lambda: self.fork(name.value, other.value),
+                       "free": lambda: self.free(name.value),
+                       "swap out": lambda: self.swap_out(name.value),
+                       "swap in": lambda: self.swap_in(name.value)}
+            row = []
+            for label, fn in buttons.items():
+                button = widgets.Button(description=label, layout=widgets.Layout(width="90px"))
+                button.on_click(lambda _, fn=fn: _run_in(log, fn))
+                row.append(button)
+            self._box = widgets.VBox([widgets.HBox([name, tokens, other]), widgets.HBox(row),
+                                      self._view.widget, log])
+        return self._box
+
+    def _ipython_display_(self):
+        _show(self.widget if has_widget_frontend() else self.figure())
+
+
+def _run_in(log, fn):
+    with log:
+        fn()
