@@ -2,6 +2,7 @@
 comes back, chunked prefill / preemption / prefix caching leave greedy output unchanged,
 and bad input is refused with a clear ValueError."""
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
 from llmlab import EngineConfig, LLMEngine, SamplingParams
@@ -170,3 +171,30 @@ def test_generate_rolls_back_on_bad_prompt(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate(["fine prompt", ""])
     assert_all_blocks_free(llm.engine)
+
+
+def test_triton_backend_matches_torch_backend_on_embedded_model(llm):
+    """Every kernel through Triton (its interpreter on a CPU) gives the same greedy tokens."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    torch_tokens = [o.token_ids for o in run_all(make_engine(llm, num_gpu_blocks=32), prompts, params)]
+    triton_engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", backend="triton", num_gpu_blocks=32),
+                              model=llm.engine.model, tokenizer=llm.tokenizer)
+    try:
+        assert [o.token_ids for o in run_all(triton_engine, prompts, params)] == torch_tokens
+    finally:
+        llm.engine.model.backend = "torch"   # the engine set the shared model's backend
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.integers(0, len(PROMPTS) - 1), min_size=2, max_size=4),
+       budget=st.integers(3, 16), blocks=st.integers(10, 16), mode=st.sampled_from(["swap", "recompute"]),
+       prefix_caching=st.booleans())
+def test_random_workloads_keep_greedy_output(llm, reference_tokens, picks, budget, blocks, mode, prefix_caching):
+    """Random mixes of the prompts under a small token budget and a KV cache small enough
+    to preempt give each prompt's greedy tokens from running alone."""
+    engine = make_engine(llm, num_gpu_blocks=blocks, block_size=4, max_num_batched_tokens=budget,
+                         preemption_mode=mode, swap_space=0.01, enable_prefix_caching=prefix_caching)
+    outputs = run_all(engine, [PROMPTS[i] for i in picks])
+    assert [o.token_ids for o in outputs] == [reference_tokens[i] for i in picks]
+    assert_all_blocks_free(engine)
