@@ -274,6 +274,118 @@ def test_token_distribution_keeps_the_first_settings_order():
     assert list(fig.data[1].y) == pytest.approx(probs["t=0.5"][[1, 3, 2]].tolist())
 
 
+# ---- kernel figures ----------------------------------------------------------------------------
+def test_rope_rotation_draws_each_pair_across_positions():
+    rotated = torch.arange(5 * 8, dtype=torch.float32).view(5, 8)     # 5 positions, head dim 8
+    fig = viz.rope_rotation(rotated, pairs=[0, 3])
+    assert [t.name for t in fig.data] == ["pair (0, 4)", "pair (3, 7)"]
+    assert list(fig.data[1].x) == rotated[:, 3].tolist() and list(fig.data[1].y) == rotated[:, 7].tolist()
+    assert list(fig.data[0].text) == ["0", "1", "2", "3", "4"]
+
+
+def test_online_softmax_steps_end_at_the_softmax():
+    x = torch.tensor([0.5, -1.0, 2.0, 0.0, 3.0, 1.0, -2.0])
+    maxes, sums = [], []
+    m, l = -math.inf, 0.0
+    for start in range(0, 7, 3):                      # tiles of 3: [0:3], [3:6], [6:7]
+        tile = x[start:start + 3]
+        new_m = max(m, tile.max().item())
+        l = l * math.exp(m - new_m) + torch.exp(tile - new_m).sum().item()
+        m = new_m
+        maxes.append(m)
+        sums.append(l)
+    fig = viz.online_softmax_steps(x, maxes, sums, block=3)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [list(b.x) for b in bars] == [[0, 1, 2], [3, 4, 5], [6]]
+    running_max = next(t for t in fig.data if t.name == "running max m")
+    assert list(running_max.y) == [2.0] * 3 + [3.0] * 4
+    last = next(t for t in fig.data if t.name == "after tile 2")
+    assert list(last.y) == pytest.approx(x.softmax(-1).tolist(), abs=1e-6)
+    first = next(t for t in fig.data if t.name == "after tile 0")
+    assert list(first.y) == pytest.approx(x[:3].softmax(-1).tolist(), abs=1e-6)   # exact over what it has seen
+
+
+def test_record_launches_sees_the_launchers_grid():
+    from llmlab import kernels
+    from llmlab.kernels import triton_rms_norm, triton_silu_mul
+
+    x, weight = torch.randn(3, 40), torch.randn(40)
+    with viz.record_launches(triton_rms_norm) as launches:
+        out = kernels.rms_norm(x, weight, 1e-5, backend="triton")
+    assert torch.allclose(out, kernels.rms_norm(x, weight, 1e-5, backend="torch"), atol=1e-5)
+    assert launches == [viz.Launch("rms_norm", (3,), {"HAS_RESIDUAL": False, "BLOCK": 64})]
+    assert launches[0].num_programs == 3
+    assert type(triton_rms_norm._rms_norm_kernel).__name__ != "Recording"      # put back
+    with viz.record_launches(triton_silu_mul) as launches:
+        kernels.silu_mul(torch.randn(2, 2 * 2100), backend="triton")
+    assert launches[0].grid == (2, 2) and launches[0].constants["BLOCK"] == 2048
+
+
+def test_program_map_colours_each_program():
+    owner = torch.tensor([[0, 0, 1], [2, 2, -1]])
+    fig = viz.program_map(owner, ["a", "b", "c"])
+    heatmap = fig.data[0]
+    assert [list(row) for row in heatmap.z] == [[0, 0, 1], [2, 2, None]]
+    assert list(heatmap.customdata[1]) == ["c", "c", "no program"]
+    assert heatmap.colorscale[0][1] != heatmap.colorscale[2][1]      # programs 0 and 1 differ
+
+
+@pytest.mark.parametrize("num_queries, seq_len, block_m, block_n",
+                         [(10, 10, 4, 4), (7, 23, 4, 8), (16, 40, 8, 4), (5, 5, 64, 32), (96, 160, 64, 32)])
+def test_prefill_tile_schedule_covers_exactly_the_causal_mask(num_queries, seq_len, block_m, block_n):
+    context_len = seq_len - num_queries
+    schedule = viz.prefill_tile_schedule(num_queries, seq_len, block_m, block_n)
+    assert [t["rows"][0] for t in schedule] == list(range(0, num_queries, block_m))
+    for tile in schedule:
+        assert sorted(tile["unmasked"] + tile["masked"] + tile["skipped"]) == list(range(0, seq_len, block_n))
+        rows = range(*tile["rows"])
+        for start in range(0, seq_len, block_n):
+            keys = range(start, min(seq_len, start + block_n))
+            visible = [key <= context_len + row for row in rows for key in keys]
+            if start in tile["unmasked"]:
+                assert all(visible)
+            if start in tile["skipped"]:
+                assert not any(visible)
+    fig = viz.prefill_tiles(num_queries, seq_len, block_m, block_n, block_size=4)
+    z = fig.data[0].z
+    for row in range(num_queries):
+        for key in range(seq_len):
+            if key <= context_len + row:
+                assert z[row][key] in (1, 2)         # every visible pair is computed ...
+            else:
+                assert z[row][key] in (0, 3)         # ... every hidden one skipped or masked
+
+
+def test_decode_split_ranges_partition_the_context():
+    for seq_len, num_splits, block_n in [(100, 4, 32), (256, 4, 32), (33, 8, 32), (32768, 66, 64)]:
+        ranges = viz.decode_split_ranges(seq_len, num_splits, block_n)
+        assert len(ranges) == num_splits
+        covered = [k for start, end in ranges for k in range(start, end)]
+        assert covered == list(range(seq_len))                # each key read by exactly one split
+        assert all(start % block_n == 0 for start, _ in ranges)
+    assert viz.decode_split_ranges(33, 8, 32)[2:] == [(64, 33), (96, 33), (128, 33), (160, 33), (192, 33),
+                                                      (224, 33)]   # empty: past a short sequence
+    fig = viz.decode_splits([40, 16], 2, block_n=16, block_tables=[[7, 3, 9], [5]], block_size=16)
+    heatmap = fig.data[0]
+    assert [list(row) for row in heatmap.z] == [[0, 0, 1], [0, None, None]]   # 3 tiles of 16: 2 per split
+    assert [list(row) for row in heatmap.text] == [["7", "3", "9"], ["5", "", ""]]
+
+
+def test_kernel_benchmark_and_serving_latency_draw_their_numbers():
+    rows = [{"shape": "a", "impl": "v1", "ms": 2.0}, {"shape": "a", "impl": "v2", "ms": 0.5},
+            {"shape": "b", "impl": "v1", "ms": 1.0}]
+    fig = viz.kernel_benchmark(rows, "test")
+    assert [t.name for t in fig.data] == ["v1", "v2"]
+    assert list(fig.data[0].y) == [2.0, 1.0] and list(fig.data[1].y) == [0.5, None]
+    stats = lambda base: {"mean": base, "p50": base, "p90": base + 1, "p99": base + 2}   # noqa: E731
+    report = {"results": [{"rate": 1.0, "ttft_ms": stats(10), "tpot_ms": stats(5), "e2e_ms": stats(50)},
+                          {"rate": float("inf"), "ttft_ms": stats(20), "tpot_ms": stats(6), "e2e_ms": stats(90)}]}
+    fig = viz.serving_latency(report)
+    assert len(fig.data) == 9
+    p99_e2e = [t for t in fig.data if t.name == "p99"][2]
+    assert list(p99_e2e.x) == ["1 req/s", "inf req/s"] and list(p99_e2e.y) == [52, 92]
+
+
 def test_figures_of_the_embedded_model(llm):
     """A short real run of SmolLM2 with prefix caching: the figures show what happened."""
     engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=64,

@@ -135,9 +135,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     k = k_cache[tables].reshape(num_seqs, -1, *k_cache.shape[2:])[:, :max_len].float()
     v = v_cache[tables].reshape(num_seqs, -1, *v_cache.shape[2:])[:, :max_len].float()
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [S, L]
-    # rows past a sequence's end are whatever the cache holds there (maybe NaN): zero them,
-    # since a masked-out NaN still poisons the weighted sum (0 * NaN = NaN)
-    k = k.masked_fill(~mask[:, :, None, None], 0)
+    # rows past a sequence's end are whatever the cache holds there (maybe NaN). Their
+    # scores are masked to -inf below, but a NaN value row would still poison the weighted
+    # sum (0 * NaN = NaN), so zero those value rows
     v = v.masked_fill(~mask[:, :, None, None], 0)
     q, mask = q[:, None], mask[:, None, :]          # one query per sequence: [S, 1, H, D], [S, 1, L]
     return _attend_batched(q.float(), k, v, mask, scale)[:, 0].to(q.dtype)

@@ -5,16 +5,24 @@
     viz.batch_composition(trace)          # a plotly Figure
     viz.Stepper(engine, workload)         # Step / Run N / Reset, figures updated in place
 
-figures.py holds the pure functions (Trace -> go.Figure); widgets.py drives an engine.
+figures.py holds the pure functions of a Trace (and of a serving benchmark's report);
+model_figures.py those of tensors and kernel launches (attention, what each kernel computes
+and how it divides the work); widgets.py drives an engine; playground.py a bare BlockManager.
 """
-from llmlab.viz.figures import (attention_heatmap, attention_probs, batch_composition, block_manager_state,
-                                block_table, cached_tokens, engine_state, kernel_timings, latency_comparison,
-                                memory_usage, phase_timings, prefix_hits, request_color, request_latencies,
-                                request_states, request_timeline, token_distribution)
-from llmlab.viz.widgets import Arrival, BlockPlayground, FigureView, Stepper, has_widget_frontend, record
+from llmlab.viz.figures import (batch_composition, block_manager_state, block_table, cached_tokens, engine_state,
+                                kernel_timings, latency_comparison, memory_usage, phase_timings, prefix_hits,
+                                request_color, request_latencies, request_states, request_timeline,
+                                serving_latency)
+from llmlab.viz.model_figures import (Launch, attention_heatmap, attention_probs, decode_split_ranges, decode_splits,
+                                      kernel_benchmark, online_softmax_steps, prefill_tile_schedule, prefill_tiles,
+                                      program_map, record_launches, rope_rotation, token_distribution)
+from llmlab.viz.playground import BlockPlayground
+from llmlab.viz.widgets import Arrival, FigureView, Stepper, has_widget_frontend, record
 
-__all__ = ["Arrival", "BlockPlayground", "FigureView", "Stepper", "attention_heatmap", "attention_probs",
-           "batch_composition", "block_manager_state", "block_table", "cached_tokens", "engine_state",
-           "has_widget_frontend", "kernel_timings", "latency_comparison", "memory_usage", "phase_timings",
-           "prefix_hits", "record", "request_color", "request_latencies", "request_states",
-           "request_timeline", "token_distribution"]
+__all__ = ["Arrival", "BlockPlayground", "FigureView", "Launch", "Stepper", "attention_heatmap", "attention_probs",
+           "batch_composition", "block_manager_state", "block_table", "cached_tokens", "decode_split_ranges",
+           "decode_splits", "engine_state", "has_widget_frontend", "kernel_benchmark", "kernel_timings",
+           "latency_comparison", "memory_usage", "online_softmax_steps", "phase_timings", "prefill_tile_schedule",
+           "prefill_tiles", "prefix_hits", "program_map", "record", "record_launches", "request_color",
+           "request_latencies", "request_states", "request_timeline", "rope_rotation", "serving_latency",
+           "token_distribution"]

@@ -1,7 +1,8 @@
 """Pure functions from what the engine recorded to plotly figures.
 
-Each takes a `Trace` (or one `StepRecord`) and options and returns a `go.Figure`; nothing
-here runs a model or changes an engine. Live state is drawn the same way: `engine_state`
+Each takes a `Trace` (or one `StepRecord`, or a serving benchmark's report) and options and
+returns a `go.Figure`; nothing here runs a model or changes an engine. Figures of tensors
+and kernels (attention, tile schedules) are in model_figures.py. Live state is drawn the same way: `engine_state`
 and `block_manager_state` read it into a StepRecord first.
 
     trace = llmlab.viz.record(engine, workload)
@@ -15,7 +16,6 @@ from __future__ import annotations
 import math
 
 import plotly.graph_objects as go
-import torch
 from plotly.subplots import make_subplots
 
 from llmlab.hooks import StepRecord, Trace
@@ -362,6 +362,29 @@ def _mean(values):
     return sum(values) / len(values) if values else 0.0
 
 
+SERVING_METRICS = (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
+                   ("e2e_ms", "end-to-end latency"))
+PERCENTILES = (("p50", "#1F77B4"), ("p90", "#FF7F0E"), ("p99", "#D62728"))
+
+
+def serving_latency(report: dict, title: str = "Latency vs request rate") -> go.Figure:
+    """TTFT, TPOT and E2E percentiles (ms) against the arrival rate, from the report of
+    `llmlab.bench.serving.run` (or its "results" list): one panel per metric, one line
+    per percentile."""
+    results = report["results"] if isinstance(report, dict) else report
+    rates = [f"{r['rate']:g} req/s" for r in results]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[name for _, name in SERVING_METRICS])
+    for col, (key, _) in enumerate(SERVING_METRICS, start=1):
+        for percentile, color in PERCENTILES:
+            fig.add_trace(go.Scatter(name=percentile, x=rates, y=[r[key].get(percentile) for r in results],
+                                     mode="lines+markers", line_color=color, legendgroup=percentile,
+                                     showlegend=col == 1), row=1, col=col)
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    fig.update_xaxes(type="category", title_text="arrival rate (Poisson)")
+    fig.update_layout(title=title, height=360, margin=dict(t=80, b=40))
+    return fig
+
+
 def prefix_hits(trace: Trace) -> go.Figure:
     """Each request's prompt tokens: found in the prefix cache vs computed."""
     hits: dict[str, int] = {}
@@ -379,43 +402,6 @@ def prefix_hits(trace: Trace) -> go.Figure:
     rate = sum(hits.values()) / total if total else 0.0
     fig.update_layout(barmode="stack", title=f"Prompt tokens: {rate:.0%} from the prefix cache",
                       yaxis_title="prompt tokens", height=320, margin=dict(t=50, b=40))
-    return fig
-
-
-# ---- inside the model ----------------------------------------------------------------------
-def attention_probs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, config) -> torch.Tensor:
-    """Causal attention weights of one sequence from the "layers.{i}.q" / "layers.{i}.k" hook
-    points (taken before rope): q [T, H, D], k [T, Hkv, D] -> [H, T, T], rows sum to 1."""
-    from llmlab import kernels
-
-    q, k = kernels.rope(q.float(), k.float(), positions, config.rope_theta, config.rope_scaling,
-                        backend="torch")
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)    # grouped-query: H // Hkv heads per kv head
-    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
-    future = positions[None, :] > positions[:, None]
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-
-
-def attention_heatmap(weights: torch.Tensor, tokens: list[str],
-                      title: str = "attention weights") -> go.Figure:
-    """weights [T_query, T_key] as a heatmap, queries down, keys across."""
-    labels = [f"{i}:{t}" for i, t in enumerate(tokens)]
-    fig = go.Figure(go.Heatmap(z=weights.tolist(), x=labels, y=labels, colorscale="Blues", zmin=0,
-                               hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="key", yaxis_title="query", height=520,
-                      yaxis_autorange="reversed", margin=dict(t=50))
-    return fig
-
-
-def token_distribution(probs: dict[str, torch.Tensor], tokenizer=None, top: int = 15) -> go.Figure:
-    """Next-token probabilities [vocab] under several settings, over the `top` most likely
-    tokens of the first one; the first setting's order is kept."""
-    first = next(iter(probs.values()))
-    ids = first.topk(top).indices.tolist()
-    labels = [repr(tokenizer.decode([i])) if tokenizer is not None else str(i) for i in ids]
-    fig = go.Figure([go.Bar(name=name, x=labels, y=p[ids].tolist()) for name, p in probs.items()])
-    fig.update_layout(barmode="group", title="Next-token probabilities", yaxis_title="probability",
-                      height=360, margin=dict(t=50, b=40))
     return fig
 
 
