@@ -32,7 +32,8 @@ class Runner:
             return 1
         from llmlab.kernels.triton_decode_attention import choose_num_splits
 
-        splits = choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len)
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        splits = choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len, num_sms)
         return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):
