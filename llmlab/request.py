@@ -14,6 +14,10 @@ import torch
 from llmlab.sampling import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """The prompt (plus one new token) does not fit in the model's context."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"      # queued; no KV in the cache (new, or preempted by recompute)
     RUNNING = "running"      # has KV blocks on the device; prefilling or decoding
@@ -90,8 +94,10 @@ class RequestOutput:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    num_cached_prompt_tokens: int = 0   # prompt tokens served from the prefix cache
 
     @classmethod
     def of(cls, request: Request) -> "RequestOutput":
         return cls(request.request_id, request.prompt, request.prompt_token_ids, request.text,
-                   list(request.output_token_ids), request.finished, request.finish_reason)
+                   list(request.output_token_ids), request.finished, request.finish_reason,
+                   request.num_cached_prompt_tokens)

@@ -18,7 +18,7 @@ from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from llmlab.request import Request, RequestOutput, RequestStatus
+from llmlab.request import ContextLengthError, Request, RequestOutput, RequestStatus
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.scheduler import Plan, Scheduler, fcfs
 
@@ -127,7 +127,7 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
+            raise ContextLengthError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len} (the prompt and at least one new token must fit)")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:

@@ -1,0 +1,277 @@
+"""Online serving: Poisson arrivals against a running OpenAI-compatible server (TTFT, TPOT, E2E).
+
+    llmlab serve &                                   # or any OpenAI-compatible server
+    llmlab bench serving --rate 1,4,inf --num-prompts 100 --out serving.json
+
+The vLLM / SwiftLLM online benchmark, client side only: requests arrive as a Poisson
+process (exponential gaps, mean 1/rate; rate inf sends them all at once), each streams its
+answer, and the client times every chunk. Per rate it reports request and token
+throughput and the mean / p50 / p90 / p99 of
+  TTFT  time to first token: arrival -> first text (queueing + prefill),
+  TPOT  time per output token after the first: (E2E - TTFT) / (output tokens - 1),
+  ITL   inter-token latency: the gap between consecutive chunks,
+  E2E   end-to-end latency: arrival -> last token.
+Every rate gets the same prompts, so a sweep isolates the effect of load.
+
+Prompts are synthetic by default: lengths drawn from lognormal distributions with the
+means of ShareGPT conversations (161 prompt and 338 output tokens, vLLM paper §6), made of
+random common words (about one token each), or read from a JSONL file of
+{"prompt": ..., "output_len": ...} lines. `ignore_eos` (a vLLM extension llmlab serve
+accepts) makes every request generate exactly its output length.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+SHAREGPT_MEAN_INPUT_LEN = 161
+SHAREGPT_MEAN_OUTPUT_LEN = 338
+# Short, common words: each is one token in LLaMA-family tokenizers when preceded by a space.
+WORDS = ("the of and to in is you that it he was for on are as with his they at be this have "
+         "from or one had by word but not what all were we when your can said there use an each "
+         "which she do how their if will up other about out many then them these so some her "
+         "would make like him into time has look two more write go see number no way could people "
+         "my than first water been call who oil its now find long down day did get come made may "
+         "part over new sound take only little work know place year live me back give most very "
+         "after thing our just name good sentence man think say great where help through much "
+         "before line right too mean old any same tell boy follow came want show also around form "
+         "three small set put end does another well large must big even such because turn here "
+         "why ask went men read need land different home us move try kind hand picture again "
+         "change off play spell air away animal house point page letter mother answer found study "
+         "still learn should world high every near add food between own below country plant last "
+         "school father keep tree never start city earth eye light thought head under story saw").split()
+
+
+@dataclass
+class Prompt:
+    text: str
+    output_len: int
+    input_len: int | None = None     # requested (synthetic) length; the server's usage is exact
+
+
+@dataclass
+class RequestResult:
+    arrival: float                    # seconds after the run started
+    output_len: int                   # requested
+    prompt_tokens: int = 0            # from the server's usage
+    output_tokens: int = 0
+    ttft: float | None = None         # seconds
+    latency: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.latency is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+# ---- workloads -------------------------------------------------------------------------
+def lognormal_lengths(rng, n: int, mean: float, sigma: float, low: int, high: int) -> list[int]:
+    """n lengths with the given mean before clipping to [low, high] (mu = ln(mean) - sigma^2/2)."""
+    mu = math.log(mean) - sigma ** 2 / 2
+    return [int(min(high, max(low, round(x)))) for x in rng.lognormal(mu, sigma, n)]
+
+
+def synthetic_prompts(num_prompts: int, seed: int = 0, mean_input_len: float = SHAREGPT_MEAN_INPUT_LEN,
+                      mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN, sigma: float = 1.0,
+                      max_input_len: int = 1024, max_output_len: int = 1024) -> list[Prompt]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    input_lens = lognormal_lengths(rng, num_prompts, mean_input_len, sigma, 4, max_input_len)
+    output_lens = lognormal_lengths(rng, num_prompts, mean_output_len, sigma, 1, max_output_len)
+    return [Prompt(" ".join(rng.choice(WORDS, size=n)), m, n) for n, m in zip(input_lens, output_lens)]
+
+
+def jsonl_prompts(path: str, num_prompts: int, seed: int = 0, mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN,
+                  max_output_len: int = 1024) -> list[Prompt]:
+    """Lines of {"prompt": str, "output_len": int (optional: else drawn like the synthetic ones)}."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
+        raise ValueError(f"{path}: every line must be a JSON object with a string 'prompt'")
+    order = rng.permutation(len(rows))[:num_prompts]
+    sampled = lognormal_lengths(rng, len(order), mean_output_len, 1.0, 1, max_output_len)
+    return [Prompt(rows[i]["prompt"], int(rows[i].get("output_len") or m)) for i, m in zip(order, sampled)]
+
+
+def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival times (s) of a Poisson process: independent exponential gaps of mean 1/rate."""
+    import numpy as np
+
+    if math.isinf(rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, num)
+    return list(np.cumsum(gaps) - gaps[0])    # the first request goes at t = 0
+
+
+# ---- the client ----------------------------------------------------------------------------
+async def send(client, model: str, prompt: Prompt, arrival: float, start: float) -> RequestResult:
+    """Stream one completion, timing every chunk (the clock starts at its arrival time)."""
+    result = RequestResult(arrival=arrival, output_len=prompt.output_len)
+    payload = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len,
+               "temperature": 0.0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}}
+    sent = start + arrival
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft is None:
+                        result.ttft = now - sent
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.latency = (last or time.perf_counter()) - sent
+    except Exception as err:   # a failed request is counted, not fatal
+        result.error = f"{type(err).__name__}: {err}"
+    return result
+
+
+async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float, seed: int = 0,
+                   api_key: str | None = None, progress: bool = True) -> dict:
+    """All prompts at one arrival rate; returns the summary and every request's timings."""
+    import asyncio
+
+    import httpx
+    from tqdm.auto import tqdm
+
+    arrivals = poisson_arrivals(len(prompts), rate, seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # no connection limit: a client-side queue would add to TTFT what the server didn't cause
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    bar = tqdm(total=len(prompts), desc=f"rate {rate:g} req/s", disable=not progress)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
+        async def one(prompt, arrival):
+            await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+            result = await send(client, model, prompt, arrival, start)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals)))
+        duration = time.perf_counter() - start
+    bar.close()
+    return {"rate": rate, **summarize(results, duration), "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    import numpy as np
+
+    ok = [r for r in results if r.error is None]
+
+    def stats(values) -> dict:   # milliseconds
+        values = np.array([v for v in values if v is not None]) * 1000
+        if not len(values):
+            return {}
+        return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
+
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in ok])) if ok else 0.0,
+        "mean_output_tokens": output_tokens / len(ok) if ok else 0.0,
+        "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
+        "itl_ms": stats(x for r in ok for x in r.itl), "e2e_ms": stats(r.latency for r in ok),
+    }
+
+
+def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
+        api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+    """A sweep over `rates` (one warm-up request first); returns the plot-ready results."""
+    import asyncio
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
+        models = client.get("/v1/models")
+        models.raise_for_status()
+        model = model or models.json()["data"][0]["id"]
+        warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
+        warm_up.raise_for_status()
+    results = [asyncio.run(run_rate(base_url, model, prompts, rate, seed, api_key, progress)) for rate in rates]
+    return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+
+
+def _cells(stats: dict, scale: float = 1.0, digits: int = 0) -> str:
+    return "/".join(f"{stats[k] * scale:.{digits}f}" for k in ("mean", "p50", "p90", "p99")) if stats else "-"
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['model']} at {report['base_url']}, {report['num_prompts']} prompts per rate",
+             f"{'rate':>6} {'ok':>4} {'req/s':>6} {'out tok/s':>9} | "
+             f"{'TTFT ms mean/p50/p90/p99':>26} | {'TPOT ms mean/p50/p90/p99':>26} | {'E2E s mean/p50/p90/p99':>24}"]
+    for r in report["results"]:
+        lines.append(f"{r['rate']:>6g} {r['completed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} | "
+                     f"{_cells(r['ttft_ms']):>26} | {_cells(r['tpot_ms']):>26} | {_cells(r['e2e_ms'], 1e-3, 1):>24}")
+        if r["failed"]:
+            lines.append(f"       {r['failed']} failed, e.g. {r['errors'][0]}")
+    return "\n".join(lines)
+
+
+# ---- `llmlab bench serving` --------------------------------------------------------------
+def parse_rates(values: list[str]) -> list[float]:
+    rates = [float(x) for value in values for x in value.split(",") if x.strip()]
+    if not rates or any(not rate > 0 for rate in rates):
+        raise ValueError(f"--rate must be positive numbers or inf, got {values}")
+    return rates
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
+    parser.add_argument("--rate", action="append", default=None,
+                        help="requests/s (Poisson); repeat or comma-separate for a sweep; inf = all at once")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--dataset", default=None, help='JSONL: {"prompt": str, "output_len": int (optional)}')
+    parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_INPUT_LEN)
+    parser.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT_LEN)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results (every request's timings too) as JSON")
+
+
+def main(args) -> None:
+    rates = parse_rates(args.rate or ["inf"])
+    if args.dataset:
+        prompts = jsonl_prompts(args.dataset, args.num_prompts, args.seed, args.mean_output_len, args.max_output_len)
+    else:
+        prompts = synthetic_prompts(args.num_prompts, args.seed, args.mean_input_len, args.mean_output_len,
+                                    max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed)
+    print(format_table(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.out}")

@@ -1,0 +1,228 @@
+"""The engine loop behind the server: one thread owns the engine, many handlers share it.
+
+`LLMEngine` is not thread-safe, so exactly one thread ever touches it (and its tokenizer):
+the engine thread. Handlers run on the asyncio event loop and talk to it in two ways:
+
+  handler -> engine thread: a command (add a request, abort one) is appended to a queue;
+      the engine thread runs queued commands between steps, then `engine.step()` while any
+      request is unfinished, and sleeps on an Event when there is nothing to do.
+  engine thread -> handler: each request has an asyncio.Queue; outputs are put there with
+      `loop.call_soon_threadsafe` (asyncio objects may only be touched from the loop).
+
+Requests from every client meet in the same `engine.step()`, so they are batched together
+(iteration-level scheduling, Orca) without the handlers knowing about each other. Because
+steps run off the event loop, a slow step never delays accepting a connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from jinja2 import TemplateError
+
+from llmlab.engine.engine import LLMEngine
+from llmlab.request import RequestOutput
+from llmlab.sampling import SamplingParams
+from llmlab.server.metrics import ServerMetrics
+
+logger = logging.getLogger("llmlab.server")
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """A handler's end of one request."""
+    request_id: str
+    engine: "AsyncEngine"
+    accepted: asyncio.Future         # -> the prompt's token ids, or add_request's error
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | Exception
+    arrival_time: float = field(default_factory=time.perf_counter)
+    finished: bool = False           # (as far as the reader knows)
+    # touched only by the engine thread (for metrics)
+    num_tokens_seen: int = 0
+    last_token_time: float = 0.0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.accepted.result()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes. Each output holds everything generated
+        so far, so when several are queued (a slow reader) only the newest is yielded."""
+        while not self.finished:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            errors = [item for item in items if isinstance(item, BaseException)]
+            if errors:
+                self.finished = True
+                raise errors[0]
+            self.finished = items[-1].finished
+            yield items[-1]
+
+    def close(self) -> None:
+        """The reader is done: abort the request unless it finished (its KV blocks come back)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.kv_stats = engine.kv_stats()     # refreshed by the engine thread after every step
+        self._commands = collections.deque()  # functions the engine thread runs between steps
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}   # unfinished requests (engine thread only)
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- the event loop's side -----------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llmlab-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    async def add_request(self, request_id: str, params: SamplingParams,
+                          prompt: str | list[int] | None = None,
+                          messages: list[dict] | None = None) -> RequestStream:
+        """Queue a prompt (text, token ids, or chat messages for the model's chat template).
+        Returns once the engine has accepted it; raises ValueError if it was refused."""
+        stream = RequestStream(request_id, self, self._loop.create_future())
+        self._call_soon(self._add, stream, params, prompt, messages)
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop generating for a request and free its KV blocks (no-op once finished)."""
+        self._call_soon(self._abort, request_id)
+
+    def _call_soon(self, function, *args) -> None:
+        self._commands.append((function, args))   # deque.append is thread-safe
+        self._wakeup.set()
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._wakeup.clear()    # before reading commands, so none can be missed
+            while self._commands:
+                function, args = self._commands.popleft()
+                try:
+                    function(*args)
+                except Exception:   # keep the loop alive whatever one command does
+                    logger.exception("engine command %s%s failed", function.__name__, args)
+            if self._stopping:
+                break
+            if not self.engine.has_unfinished_requests():
+                self.kv_stats = self.engine.kv_stats()
+                self._wakeup.wait()     # idle: sleep until a command arrives
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as err:    # a bug in the engine: fail its requests, keep serving
+                logger.exception("engine.step() failed; aborting %d requests", len(self._streams))
+                self._fail_all(err)
+                continue
+            now = time.perf_counter()
+            for output in outputs:
+                self._deliver(output, now)
+            self.kv_stats = self.engine.kv_stats()
+        self._fail_all(RuntimeError("the server is shutting down"))
+
+    def _add(self, stream: RequestStream, params: SamplingParams, prompt, messages) -> None:
+        engine = self.engine
+        try:
+            if messages is not None or isinstance(prompt, str):
+                if engine.tokenizer is None:
+                    raise ValueError("this model has no tokenizer; send token ids as the prompt")
+                token_ids = (engine.tokenizer.apply_chat_template(messages) if messages is not None
+                             else engine.tokenizer.encode(prompt))
+            else:
+                token_ids = list(prompt)
+            engine.add_request(token_ids, params, stream.request_id)
+        except ValueError as err:     # the client's fault: a 400
+            self._resolve(stream.accepted, error=err)
+            return
+        except TemplateError as err:  # e.g. a template that only allows alternating roles
+            self._resolve(stream.accepted, error=ValueError(f"chat template: {err}"))
+            return
+        except Exception as err:
+            logger.exception("adding request %s failed", stream.request_id)
+            self._resolve(stream.accepted, error=err)
+            return
+        self._streams[stream.request_id] = stream
+        self.metrics.on_added(len(token_ids))
+        self._resolve(stream.accepted, token_ids)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.engine.abort(request_id)
+            self.metrics.on_finished("abort", time.perf_counter() - stream.arrival_time)
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        num_new = len(output.token_ids) - stream.num_tokens_seen
+        if num_new > 0:
+            first = stream.num_tokens_seen == 0
+            self.metrics.on_tokens(num_new, now - stream.arrival_time if first else None,
+                                   None if first else now - stream.last_token_time)
+            stream.num_tokens_seen, stream.last_token_time = len(output.token_ids), now
+        if output.finished:
+            del self._streams[output.request_id]
+            self.metrics.on_finished(output.finish_reason, now - stream.arrival_time)
+        self._put(stream, output)
+
+    def _fail_all(self, err: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+            self._put(stream, err)
+        self._streams.clear()
+
+    def _resolve(self, future: asyncio.Future, token_ids=None, error: Exception | None = None) -> None:
+        def resolve():
+            if future.done():     # the handler was cancelled meanwhile (it aborts the request)
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(token_ids)
+        self._on_loop(resolve)
+
+    def _put(self, stream: RequestStream, item) -> None:
+        self._on_loop(stream.queue.put_nowait, item)
+
+    def _on_loop(self, function, *args) -> None:
+        """Run `function(*args)` on the event loop: asyncio objects are not thread-safe."""
+        try:
+            self._loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:    # the event loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible server, started for real on a free loopback port and driven
+through the official `openai` client (and raw httpx where a client would refuse to send
+the bad input). Greedy outputs must equal `LLM.generate` / `LLM.chat` on the same model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import llmlab
+from llmlab.server.app import create_app
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+GREEDY = dict(temperature=0.0, max_tokens=12)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A real uvicorn server in a background thread, its own engine with the same settings
+    as the `llm` fixture (the reference), so greedy text must match token for token.
+    Yields (base url, app)."""
+    engine = llmlab.LLM(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=512).engine
+    app = create_app(engine, api_key=API_KEY)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
+    yield url, app
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def http(server) -> httpx.Client:
+    return httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = httpx.get(f"{server}/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def wait_until_idle(server, timeout=60) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and every device KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if (m["llmlab_num_requests_running"] == m["llmlab_num_requests_waiting"] == 0
+                and m['llmlab_kv_blocks_free{location="device"}'] == m['llmlab_kv_blocks_total{location="device"}']):
+            return m
+        assert time.monotonic() < deadline, f"KV blocks not freed: {m}"
+        time.sleep(0.1)
+
+
+def test_health_models_and_auth(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY}):
+        response = httpx.get(f"{server}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_completion_matches_generate(server, client, llm):
+    prompt = "The capital of France is"
+    expected = llm.generate(prompt, llmlab.SamplingParams(**GREEDY))[0]
+
+    response = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+    # token ids are a prompt too
+    response = client.completions.create(model=MODEL, prompt=expected.prompt_token_ids, **GREEDY)
+    assert response.choices[0].text == expected.text
+
+
+def test_chat_matches_llm_chat(server, client, llm):
+    messages = [{"role": "system", "content": "You answer in one short sentence."},
+                {"role": "user", "content": "What is the largest planet?"}]
+    expected = llm.chat(messages, llmlab.SamplingParams(**GREEDY))[0]
+
+    response = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_stop_strings_and_seeded_sampling_match_generate(server, client, llm):
+    prompt = "List three colors:"
+    for fields in (dict(temperature=0.0, max_tokens=16, stop=[",", "\n"]),
+                   dict(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=12)):
+        expected = llm.generate(prompt, llmlab.SamplingParams(**fields))[0]
+        extra = {"top_k": fields.pop("top_k")} if "top_k" in fields else {}
+        response = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **fields)
+        assert (response.choices[0].text, response.choices[0].finish_reason) == (expected.text, expected.finish_reason)
+
+
+def test_32_concurrent_streaming_clients(server, llm):
+    """All 32 share engine steps; each gets exactly its own greedy text; nothing leaks."""
+    prompts = [f"Write a list of {i} things to do in a city called Number{i}:" for i in range(32)]
+    params = dict(temperature=0.0, max_tokens=8)
+    expected = [out.text for out in llm.generate(prompts, llmlab.SamplingParams(**params))]
+    before = metrics(server)
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, **params)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_of_them()) == expected
+    after = wait_until_idle(server)
+    assert after["llmlab_generation_tokens_total"] - before["llmlab_generation_tokens_total"] == 32 * 8
+    assert after["llmlab_time_to_first_token_seconds_count"] - before["llmlab_time_to_first_token_seconds_count"] == 32
+
+
+def body_of(payload) -> bytes:
+    return json.dumps(payload).encode()
+
+
+BAD_INPUTS = {
+    # name: (path, raw body, status, param, code)
+    "malformed JSON": ("/v1/completions", b'{"model": "x", "prompt": ', 400, None, None),
+    "not UTF-8": ("/v1/completions", b'{"prompt": "caf\xe9"}', 400, None, None),
+    "not an object": ("/v1/completions", b"[1, 2, 3]", 400, None, None),
+    "no prompt": ("/v1/completions", body_of({"max_tokens": 4}), 400, "prompt", None),
+    "max_tokens wrong type": ("/v1/completions", body_of({"prompt": "hi", "max_tokens": "ten"}), 400, "max_tokens", None),
+    "temperature wrong type": ("/v1/completions", body_of({"prompt": "hi", "temperature": "hot"}), 400, "temperature", None),
+    "stop wrong type": ("/v1/completions", body_of({"prompt": "hi", "stop": 7}), 400, "stop", None),
+    "max_tokens < 1": ("/v1/completions", body_of({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens", None),
+    "temperature < 0": ("/v1/completions", body_of({"prompt": "hi", "temperature": -0.5}), 400, "temperature", None),
+    "top_p > 1": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}), 400, "top_p", None),
+    "n > 1": ("/v1/completions", body_of({"prompt": "hi", "n": 2}), 400, "n", None),
+    "unsupported field": ("/v1/completions", body_of({"prompt": "hi", "logprobs": 5}), 400, "logprobs", "unsupported_parameter"),
+    "empty prompt": ("/v1/completions", body_of({"prompt": ""}), 400, "prompt", None),
+    "token id out of range": ("/v1/completions", body_of({"prompt": [1, 10**9]}), 400, "prompt", None),
+    "prompt longer than the context": ("/v1/completions", body_of({"prompt": "hello " * 9000}), 400, "prompt", "context_length_exceeded"),
+    "chat longer than the context": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": "hello " * 9000}]}), 400, "messages", "context_length_exceeded"),
+    "bad role": ("/v1/chat/completions", body_of({"messages": [{"role": "robot", "content": "hi"}]}), 400, "messages", None),
+    "no messages": ("/v1/chat/completions", body_of({"messages": []}), 400, "messages", None),
+    "unknown model": ("/v1/completions", body_of({"model": "gpt-9", "prompt": "hi"}), 404, "model", "model_not_found"),
+    "oversized body": ("/v1/completions", body_of({"prompt": "a" * (2 << 20)}), 413, None, "request_too_large"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_gets_an_openai_error(server, name):
+    path, body, status, param, code = BAD_INPUTS[name]
+    with http(server) as h:
+        response = h.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+        assert (error["param"], error["code"]) == (param, code)
+        assert h.get("/health").status_code == 200
+
+
+def test_more_errors(server, client):
+    with http(server) as h:
+        # an oversized body sent in chunks (no Content-Length) is cut off while it arrives
+        chunks = (b'{"prompt": "' + b"a" * 65536 for _ in range(32))
+        assert h.post("/v1/completions", content=chunks).status_code == 413
+        assert h.get("/v1/nothing-here").json()["error"]["message"] == "Not Found"
+        assert h.get("/v1/completions").status_code == 405
+        assert h.get("/health").status_code == 200
+    # the official client raises its own exception types for our errors
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    # the server still works afterwards
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(served, client):
+    server, app = served
+    engine = app.state.async_engine.engine
+
+    def broken_step():
+        del engine.step     # fail once, then the real step again
+        raise RuntimeError("simulated bug in a step")
+
+    engine.step = broken_step
+    with pytest.raises(openai.InternalServerError, match="simulated bug"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    wait_until_idle(server)
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = metrics(server)
+    payload = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000,
+               "ignore_eos": True, "stream": True}
+    with http(server) as h, h.stream("POST", "/v1/completions", json=payload) as response:
+        assert response.status_code == 200
+        events = response.iter_lines()
+        for _ in range(3):      # a few tokens in: the request holds KV blocks now
+            while not next(events).startswith("data:"):
+                pass
+        assert metrics(server)["llmlab_num_requests_running"] == 1
+    # the connection is closed: the engine stops generating and gives the blocks back
+    after = wait_until_idle(server)
+    aborted = 'llmlab_requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] == before.get(aborted, 0) + 1
+    assert after["llmlab_generation_tokens_total"] - before["llmlab_generation_tokens_total"] < 2000
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):
+    before = metrics(server)
+    payload = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True}
+    with http(server) as h, pytest.raises(httpx.ReadTimeout):
+        h.post("/v1/completions", json=payload, timeout=httpx.Timeout(60, read=1.0))
+    after = wait_until_idle(server)
+    aborted = 'llmlab_requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] == before.get(aborted, 0) + 1
