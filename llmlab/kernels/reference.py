@@ -92,7 +92,7 @@ def gather_kv(cache, block_table, seq_len):
     """The first seq_len cached rows of one sequence, in order: [seq_len, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]             # [n, block_size, Hkv, D]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())   # [n, block_size, Hkv, D]
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
@@ -128,17 +128,19 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     num_seqs = q.shape[0]
     if num_seqs == 0:
         return torch.empty_like(q)
-    max_len = int(seq_lens.max())
+    lens = seq_lens.tolist()
+    max_len = max(lens)
     block_size = k_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].long()
-    k = k_cache[tables].reshape(num_seqs, -1, *k_cache.shape[2:])[:, :max_len].float()
-    v = v_cache[tables].reshape(num_seqs, -1, *v_cache.shape[2:])[:, :max_len].float()
+    tables = block_tables[:, :num_blocks].long().flatten()
+    k = k_cache.index_select(0, tables).view(num_seqs, -1, *k_cache.shape[2:])[:, :max_len].float()
+    v = v_cache.index_select(0, tables).view(num_seqs, -1, *v_cache.shape[2:])[:, :max_len].float()
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [S, L]
     # rows past a sequence's end are whatever the cache holds there (maybe NaN). Their
     # scores are masked to -inf below, but a NaN value row would still poison the weighted
-    # sum (0 * NaN = NaN), so zero those value rows
-    v = v.masked_fill(~mask[:, :, None, None], 0)
+    # sum (0 * NaN = NaN), so zero those value rows (of our gathered copy)
+    for i, n in enumerate(lens):
+        v[i, n:] = 0
     q, mask = q[:, None], mask[:, None, :]          # one query per sequence: [S, 1, H, D], [S, 1, L]
     return _attend_batched(q.float(), k, v, mask, scale)[:, 0].to(q.dtype)
 
@@ -147,12 +149,19 @@ def _attend_batched(q, k, v, mask, scale):
     """softmax(q k^T * scale, masked) v for a batch, query head h reading kv head h // G.
     q [B, N, H, D], k/v [B, L, Hkv, D], mask bool [B, N, L] -> [B, N, H, D]."""
     batch, num_queries, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(batch, num_queries, kv_heads, heads // kv_heads, head_dim)     # [B, N, Hkv, G, D]
-    scores = torch.einsum("bnkgd,blkd->bkgnl", q, k) * scale                      # [B, Hkv, G, N, L]
-    scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
-    out = torch.einsum("bkgnl,blkd->bnkgd", scores.softmax(dim=-1), v)
-    return out.reshape(batch, num_queries, heads, head_dim)
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for h in range(kv_heads):   # the G query heads h*G .. h*G + G - 1 all read kv head h
+        heads_h = slice(h * group, (h + 1) * group)
+        q_h = q[:, :, heads_h].reshape(batch, num_queries * group, head_dim)
+        # k[:, :, h] is a strided view [B, L, D]: the matmul reads it in place, no copy
+        scores = (q_h @ k[:, :, h].transpose(1, 2)) * scale                 # [B, N G, L]
+        scores = scores.view(batch, num_queries, group, length)
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).view(batch, num_queries * group, length)
+        out[:, :, heads_h] = (probs @ v[:, :, h]).view(batch, num_queries, group, head_dim)
+    return out
 
 
 def _attend(q, k, v, mask, scale):
