@@ -278,9 +278,12 @@ def test_token_distribution_keeps_the_first_settings_order():
 def test_rope_rotation_draws_each_pair_across_positions():
     rotated = torch.arange(5 * 8, dtype=torch.float32).view(5, 8)     # 5 positions, head dim 8
     fig = viz.rope_rotation(rotated, pairs=[0, 3])
-    assert [t.name for t in fig.data] == ["pair (0, 4)", "pair (3, 7)"]
-    assert list(fig.data[1].x) == rotated[:, 3].tolist() and list(fig.data[1].y) == rotated[:, 7].tolist()
-    assert list(fig.data[0].text) == ["0", "1", "2", "3", "4"]
+    points = [t for t in fig.data if t.mode == "markers+text"]
+    assert [t.name for t in points] == ["pair (0, 4)", "pair (3, 7)"]
+    assert list(points[1].x) == rotated[:, 3].tolist() and list(points[1].y) == rotated[:, 7].tolist()
+    assert list(points[0].text) == ["0", "1", "2", "3", "4"]
+    circle = fig.data[3]                               # pair 3's circle: radius |(x[0, 3], x[0, 7])|
+    assert math.hypot(circle.x[0], circle.y[0]) == pytest.approx(math.hypot(3.0, 7.0))
 
 
 def test_online_softmax_steps_end_at_the_softmax():
