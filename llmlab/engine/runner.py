@@ -19,6 +19,10 @@ class Runner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        # read once: the decode kernel's split choice depends on how many SMs there are
+        self.num_sms = None
+        if model.backend == "triton" and device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.graphs = None
         if use_cuda_graphs:
             from llmlab.engine.cuda_graphs import CudaGraphDecoder
@@ -28,12 +32,11 @@ class Runner:
     def num_splits(self, num_seqs: int, max_seq_len: int) -> int:
         """Flash-decoding splits for the Triton decode kernel (1 = PagedAttention v1), rounded
         down to a power of two so that few CUDA graphs cover every context length."""
-        if self.model.backend != "triton" or self.device.type != "cuda":
+        if self.num_sms is None:
             return 1
         from llmlab.kernels.triton_decode_attention import choose_num_splits
 
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        splits = choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len, num_sms)
+        splits = choose_num_splits(num_seqs, self.model.config.num_kv_heads, max_seq_len, self.num_sms)
         return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):
