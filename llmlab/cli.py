@@ -147,7 +147,7 @@ def main(argv=None) -> None:
         p.add_argument("--max-tokens", type=int, default=max_tokens)
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--dtype", default=None)
-        p.add_argument("--backend", default=None, choices=["torch", "triton"])
+        p.add_argument("--backend", default=None, choices=["reference", "torch", "triton"])
         p.add_argument("--device", default=None)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streaming")

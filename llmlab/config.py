@@ -15,7 +15,7 @@ class EngineConfig:
     model: str | None = None            # HF folder, .gguf file, or None = embedded SmolLM2
     dtype: str = "auto"                 # "auto" = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"                # "auto" = cuda if available else cpu
-    backend: str = "auto"               # kernels: "torch" | "triton"; "auto" follows the device
+    backend: str = "auto"               # kernels: "reference" | "torch" | "triton"; "auto" follows the device
     block_size: int = 16                # tokens per KV block
     num_gpu_blocks: int | None = None   # None = size from memory
     gpu_memory_utilization: float = 0.9
@@ -37,7 +37,7 @@ class EngineConfig:
              "one of auto, float32, float16, bfloat16"),
             ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              "auto, cpu or cuda[:N]"),
-            ("backend", self.backend in ("auto", "torch", "triton"), "auto, torch or triton"),
+            ("backend", self.backend in ("auto", "reference", "torch", "triton"), "auto, reference, torch or triton"),
             ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              "a power of two (the attention kernels tile the cache by it)"),
             ("num_gpu_blocks", self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,

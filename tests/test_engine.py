@@ -186,6 +186,21 @@ def test_triton_backend_matches_torch_backend_on_embedded_model(llm):
         llm.engine.model.backend = "torch"   # the engine set the shared model's backend
 
 
+def test_reference_backend_matches_torch_backend_on_embedded_model(llm):
+    """The readable spec, run end to end, gives the fused torch backend's greedy tokens,
+    with chunked prefill and a mixed prefill + decode step in the way."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "Write a short poem about autumn leaves falling."]
+    torch_tokens = [o.token_ids for o in run_all(make_engine(llm, num_gpu_blocks=32), prompts, params)]
+    reference_engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", backend="reference", num_gpu_blocks=32,
+                                              max_num_batched_tokens=8),
+                                 model=llm.engine.model, tokenizer=llm.tokenizer)
+    try:
+        assert [o.token_ids for o in run_all(reference_engine, prompts, params)] == torch_tokens
+    finally:
+        llm.engine.model.backend = "torch"   # the engine set the shared model's backend
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(picks=st.lists(st.integers(0, len(PROMPTS) - 1), min_size=2, max_size=4),
        budget=st.integers(3, 16), blocks=st.integers(10, 16), mode=st.sampled_from(["swap", "recompute"]),

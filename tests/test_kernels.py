@@ -1,4 +1,5 @@
-"""Every Triton kernel computes what its pure-torch spec in `llmlab.kernels.reference` says.
+"""Both kernel backends compute what the pure-torch spec in `llmlab.kernels.reference` says:
+the "torch" backend (fused torch ops) and the Triton kernels.
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter (slow, so the
 parameter grids below are a representative cross-section, not the full product). The
@@ -51,6 +52,16 @@ def tolerance(dtype, attention=False, rope=False):
     return BF16_ATTENTION_TOL if attention else BF16_ELEMENTWISE_TOL
 
 
+# Both backends are checked on CPU: "torch" in every dtype, "triton" in the interpreter,
+# which has no bf16.
+BACKEND_DTYPES = pytest.mark.parametrize("backend,dtype", [
+    (backend, dtype) for backend in ("torch", "triton")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if not (backend == "triton" and dtype == torch.bfloat16)],
+    ids=lambda value: value if isinstance(value, str) else str(value).removeprefix("torch."))
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"])
+
+
 def randn_view(*shape, dtype, gen, dev="cpu"):
     """Random N(0, 1) values in a view of a NaN-filled tensor one longer in every dim, so
     a read past any edge of the view turns into NaN in the result."""
@@ -94,15 +105,15 @@ def assert_same_with_nans(actual, expected):
 
 # ----------------------------------------------------------------------------- elementwise
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@BACKEND_DTYPES
 @pytest.mark.parametrize("hidden_size", [576, 1024])  # SmolLM2's non-power-of-two size, and a power of two
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(dtype, hidden_size, with_residual):
+def test_rms_norm(backend, dtype, hidden_size, with_residual):
     gen = torch.Generator().manual_seed(0)
     x = randn_view(7, hidden_size, dtype=dtype, gen=gen)
     weight = randn_view(hidden_size, dtype=dtype, gen=gen)
     residual = randn_view(7, hidden_size, dtype=dtype, gen=gen) if with_residual else None
-    actual = kernels.rms_norm(x, weight, 1e-5, residual, backend="triton")
+    actual = kernels.rms_norm(x, weight, 1e-5, residual, backend=backend)
     expected = reference.rms_norm(x, weight, 1e-5, residual)
     if with_residual:
         torch.testing.assert_close(actual[1], expected[1], atol=0, rtol=0)  # one rounding of x + residual
@@ -110,19 +121,20 @@ def test_rms_norm(dtype, hidden_size, with_residual):
     torch.testing.assert_close(actual, expected, **tolerance(dtype))
 
 
-def test_rms_norm_leading_dims_and_empty():
+@BACKENDS
+def test_rms_norm_leading_dims_and_empty(backend):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 64, generator=gen)
     weight = torch.randn(64, generator=gen)
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6, backend="triton"),
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6, backend=backend),
                                reference.rms_norm(x, weight, 1e-6), **FP32_TOL)
-    assert kernels.rms_norm(x[:0, 0], weight, 1e-6, backend="triton").shape == (0, 64)
+    assert kernels.rms_norm(x[:0, 0], weight, 1e-6, backend=backend).shape == (0, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@BACKEND_DTYPES
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (32, 8, 128)])
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
-def test_rope(dtype, num_heads, num_kv_heads, head_dim, scaling):
+def test_rope(backend, dtype, num_heads, num_kv_heads, head_dim, scaling):
     gen = torch.Generator().manual_seed(2)
     num_tokens = 32
     q = randn_view(num_tokens, num_heads, head_dim, dtype=dtype, gen=gen)
@@ -130,7 +142,7 @@ def test_rope(dtype, num_heads, num_kv_heads, head_dim, scaling):
     # 0 and 1, and positions far past LLaMA-3's original 8192, where the scaling matters
     positions = torch.cat([torch.tensor([0, 1]), torch.randint(0, 131072, (num_tokens - 2,), generator=gen)])
     theta = 500000.0
-    actual = kernels.rope(q, k, positions, theta, scaling, backend="triton")
+    actual = kernels.rope(q, k, positions, theta, scaling, backend=backend)
     expected = reference.rope(q, k, positions, theta, scaling)
     torch.testing.assert_close(actual[0], expected[0], **tolerance(dtype, rope=True))
     torch.testing.assert_close(actual[1], expected[1], **tolerance(dtype, rope=True))
@@ -145,28 +157,30 @@ def test_rope_inplace_and_empty():
     rope(q, k, torch.arange(4), 10000.0, inplace=True)
     torch.testing.assert_close(q, expected[0], **FP32_TOL)
     torch.testing.assert_close(k, expected[1], **FP32_TOL)
-    empty_q, empty_k = kernels.rope(q[:0], k[:0], torch.arange(0), 10000.0, backend="triton")
-    assert empty_q.shape == (0, 6, 64) and empty_k.shape == (0, 2, 64)
+    for backend in ("torch", "triton"):
+        empty_q, empty_k = kernels.rope(q[:0], k[:0], torch.arange(0), 10000.0, backend=backend)
+        assert empty_q.shape == (0, 6, 64) and empty_k.shape == (0, 2, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@BACKEND_DTYPES
 @pytest.mark.parametrize("n", [300, 2048 + 5])  # under one block; two blocks with a ragged tail
-def test_silu_mul(dtype, n):
+def test_silu_mul(backend, dtype, n):
     gen = torch.Generator().manual_seed(4)
     x = randn_view(6, 2 * n, dtype=dtype, gen=gen) * 3  # gates well into silu's curved part
-    torch.testing.assert_close(kernels.silu_mul(x, backend="triton"), reference.silu_mul(x), **tolerance(dtype))
+    torch.testing.assert_close(kernels.silu_mul(x, backend=backend), reference.silu_mul(x), **tolerance(dtype))
 
 
-def test_silu_mul_leading_dims_and_empty():
+@BACKENDS
+def test_silu_mul_leading_dims_and_empty(backend):
     x = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(kernels.silu_mul(x, backend="triton"), reference.silu_mul(x), **FP32_TOL)
-    assert kernels.silu_mul(x[:0], backend="triton").shape == (0, 3, 20)
+    torch.testing.assert_close(kernels.silu_mul(x, backend=backend), reference.silu_mul(x), **FP32_TOL)
+    assert kernels.silu_mul(x[:0], backend=backend).shape == (0, 3, 20)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@BACKEND_DTYPES
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (8, 128)])
-def test_store_kv(dtype, block_size, num_kv_heads, head_dim):
+def test_store_kv(backend, dtype, block_size, num_kv_heads, head_dim):
     gen = torch.Generator().manual_seed(6)
     num_tokens, num_blocks = 9, 5
     k = randn_view(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
@@ -176,16 +190,17 @@ def test_store_kv(dtype, block_size, num_kv_heads, head_dim):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    assert kernels.store_kv(k, v, k_cache, v_cache, slots, backend="triton") is None
+    assert kernels.store_kv(k, v, k_cache, v_cache, slots, backend=backend) is None
     reference.store_kv(k, v, k_expected, v_expected, slots)
     assert_same_with_nans(k_cache, k_expected)  # a copy: bit-exact, and nothing else touched
     assert_same_with_nans(v_cache, v_expected)
 
 
-def test_store_kv_empty():
+@BACKENDS
+def test_store_kv_empty(backend):
     cache = torch.zeros(2, 16, 2, 64)
     kernels.store_kv(torch.zeros(0, 2, 64), torch.zeros(0, 2, 64), cache, cache.clone(),
-                     torch.zeros(0, dtype=torch.int64), backend="triton")
+                     torch.zeros(0, dtype=torch.int64), backend=backend)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -208,15 +223,14 @@ def prefill_lengths(kind, block_size):
 
 GQA = pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2), (8, 1)],
                               ids=["mha", "gqa3", "gqa4", "gqa8"])
-ATTENTION_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 
 
 @pytest.mark.parametrize("lengths", ["ragged", "chunked"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @GQA
-@ATTENTION_DTYPES
-def test_prefill_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, lengths):
+@BACKEND_DTYPES
+def test_prefill_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, lengths):
     seq_lens, query_lens = prefill_lengths(lengths, block_size)
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
@@ -225,27 +239,28 @@ def test_prefill_attention(dtype, num_heads, num_kv_heads, head_dim, block_size,
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     actual = kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                       backend="triton")
+                                       backend=backend)
     expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
 
 
-def test_prefill_attention_empty_batch():
+@BACKENDS
+def test_prefill_attention_empty_batch(backend):
     k_cache, v_cache, block_tables = paged_kv([], 16, 2, 64, torch.float32, torch.Generator())
     out = kernels.prefill_attention(torch.zeros(0, 4, 64), k_cache, v_cache, block_tables,
                                     torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
-                                    0.125, backend="triton")
+                                    0.125, backend=backend)
     assert out.shape == (0, 4, 64)
 
 
-def check_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits):
+def check_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits):
     gen = torch.Generator().manual_seed(8)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     q = randn_view(len(seq_lens), num_heads, head_dim, dtype=dtype, gen=gen)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                                      backend="triton")
+                                      backend=backend)
     # The reference reads whole blocks and masks afterwards (0 * NaN = NaN), so it gets
     # the caches with the unowned slots zeroed; the kernel must never read them at all.
     expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
@@ -257,25 +272,27 @@ def check_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size,
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @GQA
-@ATTENTION_DTYPES
-def test_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits):
-    check_decode_attention(dtype, num_heads, num_kv_heads, head_dim, block_size, ragged(block_size), num_splits)
+@BACKEND_DTYPES
+def test_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    check_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, ragged(block_size), num_splits)
 
 
-def test_decode_attention_more_splits_than_tiles():
+@BACKENDS
+def test_decode_attention_more_splits_than_tiles(backend):
     """Splits past the end of a short sequence are empty and must weigh nothing."""
-    check_decode_attention(torch.float32, 4, 1, 128, 16, [1, 100], num_splits=5)
+    check_decode_attention(backend, torch.float32, 4, 1, 128, 16, [1, 100], num_splits=5)
 
 
 @pytest.mark.parametrize("num_splits", [0, None])
 def test_decode_attention_chooses_splits(num_splits):
-    check_decode_attention(torch.float32, 3, 1, 64, 16, [5, 60], num_splits)
+    check_decode_attention("triton", torch.float32, 3, 1, 64, 16, [5, 60], num_splits)
 
 
-def test_decode_attention_empty_batch():
+@BACKENDS
+def test_decode_attention_empty_batch(backend):
     k_cache, v_cache, block_tables = paged_kv([], 16, 2, 64, torch.float32, torch.Generator())
     out = kernels.decode_attention(torch.zeros(0, 4, 64), k_cache, v_cache, block_tables,
-                                   torch.zeros(0, dtype=torch.int32), 0.125, 1, backend="triton")
+                                   torch.zeros(0, dtype=torch.int32), 0.125, 1, backend=backend)
     assert out.shape == (0, 4, 64)
 
 

@@ -13,9 +13,11 @@ import torch
 from llmlab.cache.block_manager import BlockManager
 from llmlab.cache.kv_cache import KVCache, num_blocks_for
 from llmlab.config import EngineConfig, ModelConfig
+from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.runner import Runner
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
 from llmlab import kernels
+from llmlab.model import dense
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from llmlab.request import ContextLengthError, Request, RequestOutput, RequestStatus
@@ -53,6 +55,9 @@ class LLMEngine:
             model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
         # ----
         model.backend = self.backend
+        if self.device.type == "cpu":
+            dense.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
+            keep_freed_memory()               # no page faults for every large temporary
         self.model, self.tokenizer = model, tokenizer
         self.model_config: ModelConfig = model.config
 

@@ -1,7 +1,11 @@
 """llmlab's kernels behind one contract (DESIGN.md, "Kernel contract").
 
-Every kernel exists twice with the same signature: a pure-torch spec in `reference.py`
-(the "torch" backend) and a Triton kernel in `triton_<name>.py` (the "triton" backend).
+Every kernel has one signature and three implementations, chosen by backend name:
+
+- "reference": the pure-torch spec in `reference.py`, written to be read;
+- "torch": `torch_backend.py`, the same math in fewer, fused torch ops (the CPU default);
+- "triton": a Triton kernel in `triton_<name>.py` (the GPU default).
+
 The functions here dispatch on `backend=` or, by default, on the global backend:
 "triton" when CUDA is available, "torch" otherwise. On a machine without CUDA the
 Triton kernels run through Triton's interpreter, which llmlab switches on by itself.
@@ -21,10 +25,10 @@ import time
 
 import torch
 
-from . import reference
+from . import reference, torch_backend
 
 KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "prefill_attention", "decode_attention")
-BACKENDS = ("torch", "triton")
+BACKENDS = ("reference", "torch", "triton")
 
 _default_backend: str | None = None
 _overrides: dict = {}
@@ -40,7 +44,8 @@ def default_backend() -> str:
 
 
 def set_backend(name: str | None) -> None:
-    """Set the global default backend ("torch" | "triton"); None restores the automatic choice."""
+    """Set the global default backend ("reference" | "torch" | "triton"); None restores the
+    automatic choice."""
     global _default_backend
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
@@ -69,6 +74,8 @@ def get_kernel(name: str, backend: str | None = None):
         return _overrides[name]
     backend = backend or default_backend()
     if backend == "torch":
+        return getattr(torch_backend, name)
+    if backend == "reference":
         return getattr(reference, name)
     if backend == "triton":
         return _triton_impl(name)

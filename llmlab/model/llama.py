@@ -6,8 +6,8 @@ chunk, then one token per decoding sequence. Each layer is
     rms_norm -> qkv -> rope -> store_kv -> attention -> o_proj -> rms_norm(+residual)
              -> gate_up -> silu_mul -> down
 
-built from `llmlab.kernels`, so swapping the backend (torch or Triton) or a single kernel
-changes what runs here. Logits are computed only for each sequence's last token.
+built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton) or a
+single kernel changes what runs here; the matrix products go through `dense.linear`. Logits are computed only for each sequence's last token.
 
 Hook points: inside `with model.capture() as taps:` every forward records the tensors
 named "embed", "layers.{i}.q|k|v" (after projection, before rope), "layers.{i}.attn"
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from llmlab import kernels
 from llmlab.config import ModelConfig
+from llmlab.model.dense import linear
 
 
 @dataclass
@@ -86,7 +87,7 @@ class LlamaModel:
             hidden = self.attention(i, layer, x, positions, batch, kv_cache[i, 0], kv_cache[i, 1])
             self._tap(f"layers.{i}.attn", hidden)
             x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
-            hidden = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up), backend=b), layer.down)
+            hidden = linear(kernels.silu_mul(linear(x, layer.gate_up), backend=b), layer.down)
             if self.tp_group is not None:   # row-parallel down: sum the ranks' partial outputs
                 hidden = self.tp_group.all_reduce(hidden)
             self._tap(f"layers.{i}.mlp", hidden)
@@ -94,7 +95,7 @@ class LlamaModel:
         idx = batch.logits_indices
         last, _ = kernels.rms_norm(hidden[idx], self.norm, cfg.rms_norm_eps, residual[idx], backend=b)
         self._tap("norm", last)
-        logits = F.linear(last, self.lm_head)
+        logits = linear(last, self.lm_head)
         if self.tp_group is not None:   # vocab-parallel lm_head: gather every rank's vocab slice
             logits = self.tp_group.gather_logits(logits)
         logits = logits.float()
@@ -104,7 +105,7 @@ class LlamaModel:
     def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache):
         cfg, b = self.config, self.backend
         num_tokens, heads, kv_heads, head_dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.reshape(num_tokens, heads, head_dim)
         k = k.reshape(num_tokens, kv_heads, head_dim)
@@ -125,7 +126,7 @@ class LlamaModel:
                 q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
                 self.scale, batch.num_splits, backend=b))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = F.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
+        out = linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
         if self.tp_group is not None:   # row-parallel o_proj: sum the ranks' partial outputs
             out = self.tp_group.all_reduce(out)
         return out
@@ -209,6 +210,10 @@ class LlamaModel:
         embed = rand(c.vocab_size, h)
         lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, h)
         return cls(config, embed, layers, rand(h, mean=1.0), lm_head, backend)
+
+    def matrices(self) -> list[torch.Tensor]:
+        """The weights that go through `dense.linear`, in forward order."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [self.lm_head]
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])

@@ -279,7 +279,7 @@ def add_arguments(parser) -> None:
     engine = parser.add_argument_group("engine (EngineConfig fields)")
     engine.add_argument("--dtype", default=None)
     engine.add_argument("--device", default=None)
-    engine.add_argument("--backend", default=None, choices=["torch", "triton"])
+    engine.add_argument("--backend", default=None, choices=["reference", "torch", "triton"])
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--num-gpu-blocks", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
