@@ -186,6 +186,15 @@ def test_triton_backend_matches_torch_backend_on_embedded_model(llm):
         llm.engine.model.backend = "torch"   # the engine set the shared model's backend
 
 
+def test_warm_up_leaves_no_trace(llm, reference_tokens):
+    """The GPU engine's start-up batches (here run on the CPU) own no blocks and change no output."""
+    engine = make_engine(llm, num_gpu_blocks=256)
+    engine.runner.warm_up()
+    assert_all_blocks_free(engine)
+    assert [o.token_ids for o in run_all(engine, PROMPTS)] == reference_tokens
+    assert_all_blocks_free(engine)
+
+
 def test_reference_backend_matches_torch_backend_on_embedded_model(llm):
     """The readable spec, run end to end, gives the fused torch backend's greedy tokens,
     with chunked prefill and a mixed prefill + decode step in the way."""

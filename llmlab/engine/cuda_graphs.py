@@ -54,6 +54,11 @@ class CudaGraphDecoder:
 
     def _capture(self, size: int, num_splits: int) -> None:
         key = (size, num_splits)
+        # the eager run below really executes: with an earlier step's inputs still in the
+        # buffers it would write K/V into slots that now belong to other requests
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_tables.zero_()
         batch = self.batches[key] = self._batch(size, num_splits)
         args = (self.input_ids[:size], self.positions[:size], batch, self.kv_cache.device)
         self.model.forward(*args)   # warm-up: compiles kernels, allocates cached tensors

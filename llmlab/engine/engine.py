@@ -77,6 +77,8 @@ class LLMEngine:
                       and self.executor is None)   # a graph replay would skip the workers' step
         self.runner = Runner(model, self.kv_cache, config.block_size, self.device,
                              config.max_num_seqs, self.max_model_len, use_graphs)
+        if self.device.type == "cuda" and self.backend == "triton" and self.executor is None:
+            self.runner.warm_up()   # compile the Triton kernel variants before the first request
         self.sampler = Sampler(config.seed)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords

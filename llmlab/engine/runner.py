@@ -9,7 +9,17 @@ from __future__ import annotations
 import torch
 
 from llmlab.model.llama import ForwardBatch, LlamaModel
-from llmlab.scheduler import Plan
+from llmlab.request import Request
+from llmlab.sampling import SamplingParams
+from llmlab.scheduler import Plan, ScheduledItem
+
+# Batch shapes the warm-up runs: (prefill chunk lengths, context lengths of the decodes).
+# Triton compiles a kernel once per constexpr value and per specialization of its integer
+# arguments (divisible by 16 or not), so these cover one token, odd and multiple-of-16
+# batches, prefill-only and mixed steps, and (the long contexts) every power-of-two number
+# of flash-decoding splits, each of which is a different combine kernel.
+WARM_UP_SHAPES = ([([7], []), ([5, 12], [2, 40, 2]), ([16], [2] * 16), ([29], [33]), ([], [2]), ([], [2, 40, 2]),
+                   ([], [2] * 16)] + [([], [context]) for context in (256, 512, 1024, 2048, 4096, 8192)])
 
 
 class Runner:
@@ -19,6 +29,7 @@ class Runner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.max_model_len = max_model_len
         # read once: the decode kernel's split choice depends on how many SMs there are
         self.num_sms = None
         if model.backend == "triton" and device.type == "cuda":
@@ -87,6 +98,28 @@ class Runner:
         width = max((len(t) for t in tables), default=0)
         rows = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(tables), width)
+
+    def warm_up(self) -> None:
+        """Run a few throwaway batches of different shapes so that Triton compiles its kernel
+        variants now rather than inside the first requests' steps (a first mixed step took 2 s
+        on an H200). They write K/V into blocks that no request owns yet."""
+        num_blocks, bs = self.kv_cache.device.shape[2], self.block_size
+        for chunks, contexts in WARM_UP_SHAPES:
+            lengths = chunks + contexts
+            if max(lengths) > (self.max_model_len or 1 << 62) or sum(-(-n // bs) for n in lengths) > num_blocks:
+                continue   # a small engine never sees this shape
+            plan, next_block = Plan(), 0
+            for i, length in enumerate(lengths):
+                request = Request("warm-up", None, [0] * length, SamplingParams())
+                request.block_table = list(range(next_block, next_block + -(-length // bs)))
+                next_block += len(request.block_table)
+                if i < len(chunks):
+                    plan.prefills.append(ScheduledItem(request, "prefill", length, 0))
+                else:
+                    plan.decodes.append(ScheduledItem(request, "decode", 1, length - 1))
+            self.execute(plan)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_seqs, vocab]: a CUDA graph replay for pure-decode batches when

@@ -53,7 +53,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_h
     return m_new, l_i, acc
 
 
-@triton.jit
+# Ints that change from step to step are not specialized on (Triton would compile a variant
+# each for == 1, divisible by 16 and other values): the block-table width and the splits.
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -118,7 +120,7 @@ def _decode_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, stride_os, stride_oh,
                            num_heads, num_splits,
                            HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):

@@ -73,7 +73,9 @@ def _find_query_tile(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_M: tl.constexpr, BL
     return seq, tile - first_tile
 
 
-@triton.jit
+# The block-table width and the number of sequences change from step to step: not
+# specialized on, so that they do not each compile a variant.
+@triton.jit(do_not_specialize=["stride_table", "num_seqs"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
     qk_scale,
