@@ -5,18 +5,19 @@
     viz.batch_composition(trace)          # a plotly Figure
     viz.Stepper(engine, workload)         # Step / Run N / Reset, figures updated in place
 
-figures.py holds the pure functions of a Trace (and of a serving benchmark's report);
-model_figures.py those of tensors and kernel launches (attention, what each kernel computes
+figures.py holds the pure functions of a Trace that draw blocks and scheduling;
+timing_figures.py those that draw time (and a serving benchmark's report); model_figures.py
+those of tensors and kernel launches (attention, what each kernel computes
 and how it divides the work); widgets.py drives an engine; playground.py a bare BlockManager.
 """
 from llmlab.viz.figures import (batch_composition, block_manager_state, block_table, cached_tokens, engine_state,
-                                kernel_timings, latency_comparison, memory_usage, phase_timings, prefix_hits,
-                                request_color, request_latencies, request_states, request_timeline,
-                                serving_latency)
+                                memory_usage, request_color, request_states, request_timeline)
 from llmlab.viz.model_figures import (Launch, attention_heatmap, attention_probs, decode_split_ranges, decode_splits,
                                       kernel_benchmark, online_softmax_steps, prefill_tile_schedule, prefill_tiles,
                                       program_map, record_launches, rope_rotation, token_distribution)
 from llmlab.viz.playground import BlockPlayground
+from llmlab.viz.timing_figures import (kernel_timings, latency_comparison, phase_timings, prefix_hits,
+                                       request_latencies, serving_latency)
 from llmlab.viz.widgets import Arrival, FigureView, Stepper, has_widget_frontend, record
 
 __all__ = ["Arrival", "BlockPlayground", "FigureView", "Launch", "Stepper", "attention_heatmap", "attention_probs",

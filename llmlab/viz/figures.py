@@ -1,9 +1,10 @@
 """Pure functions from what the engine recorded to plotly figures.
 
-Each takes a `Trace` (or one `StepRecord`, or a serving benchmark's report) and options and
-returns a `go.Figure`; nothing here runs a model or changes an engine. Figures of tensors
-and kernels (attention, tile schedules) are in model_figures.py. Live state is drawn the same way: `engine_state`
-and `block_manager_state` read it into a StepRecord first.
+Each takes a `Trace` (or one `StepRecord`) and options and returns a `go.Figure`: the KV
+block table and the scheduler over time. Nothing here runs a model or changes an engine.
+Timings and latencies are in timing_figures.py, figures of tensors and kernels (attention,
+tile schedules) in model_figures.py. Live state is drawn the same way: `engine_state` and
+`block_manager_state` read it into a StepRecord first.
 
     trace = llmlab.viz.record(engine, workload)
     block_table(trace, step=5); batch_composition(trace); request_timeline(trace)
@@ -12,8 +13,6 @@ Figures keep a fixed set of traces whatever the data (e.g. one bar trace per req
 state, even when empty), so a widget can update them in place.
 """
 from __future__ import annotations
-
-import math
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -25,7 +24,6 @@ REQUEST_COLORS = ["#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564
                   "#BCBD22", "#17BECF"]
 STATE_COLORS = {"waiting": "#c7c7c7", "prefill": "#FF7F0E", "decode": "#1F77B4",
                 "preempted": "#D62728", "swapped": "#9467BD", "idle": "#BCBD22"}
-PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 
 
 def request_color(request_id: str) -> str:
@@ -285,123 +283,6 @@ def memory_usage(trace: Trace) -> go.Figure:
                       annotation_text="device capacity", annotation_position="top left")
     fig.update_layout(title="KV cache blocks in use", xaxis_title="engine step", yaxis_title="blocks",
                       height=300, margin=dict(t=50, b=40))
-    return fig
-
-
-# ---- timings -------------------------------------------------------------------------------
-def phase_timings(trace: Trace) -> go.Figure:
-    """Milliseconds per engine phase (schedule, swap, prepare, forward, sample), stacked per step."""
-    steps = [s.step for s in trace.steps]
-    fig = go.Figure([go.Bar(name=phase, x=steps, y=[s.timings.get(phase, 0.0) * 1e3 for s in trace.steps])
-                     for phase in PHASES])
-    fig.update_layout(barmode="stack", title="Time per phase", xaxis_title="engine step",
-                      yaxis_title="ms", height=320, margin=dict(t=50, b=40))
-    return fig
-
-
-def kernel_timings(trace: Trace) -> go.Figure:
-    """Total milliseconds per kernel over the trace (needs engine.kernel_timing = True); the rest
-    of the forward (matmuls, embedding, glue) is shown as "forward, outside kernels"."""
-    totals: dict[str, float] = {}
-    for s in trace.steps:
-        for name, seconds in s.kernel_timings.items():
-            totals[name] = totals.get(name, 0.0) + seconds * 1e3
-    forward = sum(s.timings.get("forward", 0.0) for s in trace.steps if s.kernel_timings) * 1e3
-    names = sorted(totals, key=totals.get) + ["forward, outside kernels"]
-    values = [totals[n] for n in names[:-1]] + [max(0.0, forward - sum(totals.values()))]
-    fig = go.Figure(go.Bar(x=values, y=names, orientation="h", marker_color=STATE_COLORS["decode"]))
-    fig.update_layout(title="Time per kernel, whole trace", xaxis_title="ms", height=120 + 30 * len(names),
-                      margin=dict(t=50, b=40))
-    return fig
-
-
-def request_latencies(trace: Trace) -> dict[str, dict]:
-    """Per request: "ttft" (first token time - arrival, s), "itl" (gaps between its tokens, s),
-    "ttft_steps" (steps from the one it was first scheduled in to its first token, inclusive)."""
-    arrival = {a.request_id: a.time for a in trace.added}
-    token_times: dict[str, list[float]] = {}
-    first_step, first_token_step = {}, {}
-    for i, s in enumerate(trace.steps):
-        for item in s.scheduled:
-            first_step.setdefault(item.request_id, i)
-        for rid in s.sampled:
-            token_times.setdefault(rid, []).append(s.time)
-            first_token_step.setdefault(rid, i)
-    out = {}
-    for rid, times in token_times.items():
-        out[rid] = {"ttft": times[0] - arrival[rid] if rid in arrival else math.nan,
-                    "itl": [b - a for a, b in zip(times, times[1:])],
-                    "ttft_steps": first_token_step[rid] - first_step[rid] + 1}
-    return out
-
-
-def latency_comparison(traces: dict[str, Trace], ttft_requests=None, itl_requests=None) -> go.Figure:
-    """Time to first token (mean) and inter-token latency (median and worst) of several runs,
-    in ms, over all requests or only the ids in `ttft_requests` / `itl_requests`."""
-    labels = list(traces)
-    stats = [request_latencies(t) for t in traces.values()]
-    ttft = [_mean([r["ttft"] for rid, r in s.items() if ttft_requests is None or rid in ttft_requests]) * 1e3
-            for s in stats]
-    gaps = [sorted(g for rid, r in s.items() if itl_requests is None or rid in itl_requests for g in r["itl"])
-            for s in stats]
-    which = lambda ids: "" if ids is None else " of req " + ", ".join(map(str, ids))   # noqa: E731
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"time to first token{which(ttft_requests)}",
-                                                        f"inter-token latency{which(itl_requests)}"))
-    fig.add_trace(go.Bar(name="TTFT (mean)", x=labels, y=ttft, marker_color=STATE_COLORS["prefill"]),
-                  row=1, col=1)
-    fig.add_trace(go.Bar(name="ITL median", x=labels, y=[g[len(g) // 2] * 1e3 if g else 0 for g in gaps],
-                         marker_color=STATE_COLORS["decode"]), row=1, col=2)
-    fig.add_trace(go.Bar(name="ITL worst", x=labels, y=[g[-1] * 1e3 if g else 0 for g in gaps],
-                         marker_color=STATE_COLORS["preempted"]), row=1, col=2)
-    fig.update_yaxes(title_text="ms")
-    fig.update_layout(title="Latency", barmode="group", height=340, margin=dict(t=70, b=40))
-    return fig
-
-
-def _mean(values):
-    return sum(values) / len(values) if values else 0.0
-
-
-SERVING_METRICS = (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
-                   ("e2e_ms", "end-to-end latency"))
-PERCENTILES = (("p50", "#1F77B4"), ("p90", "#FF7F0E"), ("p99", "#D62728"))
-
-
-def serving_latency(report: dict, title: str = "Latency vs request rate") -> go.Figure:
-    """TTFT, TPOT and E2E percentiles (ms) against the arrival rate, from the report of
-    `llmlab.bench.serving.run` (or its "results" list): one panel per metric, one line
-    per percentile."""
-    results = report["results"] if isinstance(report, dict) else report
-    rates = [f"{r['rate']:g} req/s" for r in results]
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[name for _, name in SERVING_METRICS])
-    for col, (key, _) in enumerate(SERVING_METRICS, start=1):
-        for percentile, color in PERCENTILES:
-            fig.add_trace(go.Scatter(name=percentile, x=rates, y=[r[key].get(percentile) for r in results],
-                                     mode="lines+markers", line_color=color, legendgroup=percentile,
-                                     showlegend=col == 1), row=1, col=col)
-    fig.update_yaxes(title_text="ms", rangemode="tozero")
-    fig.update_xaxes(type="category", title_text="arrival rate (Poisson)")
-    fig.update_layout(title=title, height=360, margin=dict(t=80, b=40))
-    return fig
-
-
-def prefix_hits(trace: Trace) -> go.Figure:
-    """Each request's prompt tokens: found in the prefix cache vs computed."""
-    hits: dict[str, int] = {}
-    for s in trace.steps:
-        for rid, n in s.prefix_hit_tokens.items():
-            hits[rid] = hits.get(rid, 0) + n
-    ids = [a.request_id for a in trace.added]
-    prompt = {a.request_id: a.num_prompt_tokens for a in trace.added}
-    labels = [f"req {r}" for r in ids]
-    fig = go.Figure([
-        go.Bar(name="from the prefix cache", x=labels, y=[hits.get(r, 0) for r in ids], marker_color=SHARED),
-        go.Bar(name="computed", x=labels, y=[prompt[r] - hits.get(r, 0) for r in ids],
-               marker_color=STATE_COLORS["prefill"])])
-    total = sum(prompt.values())
-    rate = sum(hits.values()) / total if total else 0.0
-    fig.update_layout(barmode="stack", title=f"Prompt tokens: {rate:.0%} from the prefix cache",
-                      yaxis_title="prompt tokens", height=320, margin=dict(t=50, b=40))
     return fig
 
 
