@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="print the GPU time per kernel of one eager decode step per cell")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (the peer for --tp, whose steps are eager)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size: shard llmlab's model over this many GPUs "
                              "(the HF peer stays on one)")
@@ -39,7 +41,8 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
         hf["num_hidden_layers"] = args.layers
     config = EngineConfig(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
-                          tensor_parallel_size=getattr(args, "tp", 1))
+                          tensor_parallel_size=getattr(args, "tp", 1),
+                          enforce_eager=getattr(args, "enforce_eager", False))
     model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
     return LLM.from_engine(LLMEngine(config, model=model)), hf
 
@@ -149,7 +152,7 @@ def main(args) -> list[dict]:
     results = []
     for b, s in cells:
         p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max, args.profile)
-        impl = "llmlab" if args.tp == 1 else f"llmlab (tp={args.tp})"
+        impl = "llmlab" + (f" (tp={args.tp})" if args.tp > 1 else "") + (" eager" if args.enforce_eager else "")
         results.append({"impl": impl, "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
     if not args.no_hf:
         if engine.executor is not None:   # tensor parallel: free the other GPUs' workers now

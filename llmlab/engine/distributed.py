@@ -252,17 +252,19 @@ def _stop_workers(workers: list[Worker], threads: int) -> None:
             worker.pipe.send(("stop",))
         except (OSError, ValueError):
             pass                               # already gone
+    # leave the group together with the workers: NCCL's teardown in a worker can wait for
+    # rank 0's, so joining them first would stall until the timeout below kills them
+    if dist.is_initialized():                  # ours: __init__ refuses to start beside another
+        try:
+            dist.destroy_process_group()
+        except Exception:                      # already aborted after a failure
+            pass
     for worker in workers:
         worker.process.join(timeout=10)
         if worker.process.is_alive():          # stuck, e.g. in a collective with a dead rank
             worker.process.kill()
             worker.process.join(timeout=5)
         worker.pipe.close()
-    if dist.is_initialized():                  # ours: __init__ refuses to start beside another
-        try:
-            dist.destroy_process_group()
-        except Exception:                      # already aborted after a failure
-            pass
     torch.set_num_threads(threads)             # rank 0's own, as before tensor parallelism
 
 
