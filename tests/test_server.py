@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
@@ -270,3 +271,17 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):
     after = wait_until_idle(server)
     aborted = 'llmlab_requests_finished_total{finish_reason="abort"}'
     assert after[aborted] == before.get(aborted, 0) + 1
+
+
+def test_serving_benchmark_runs_inside_an_event_loop(server):
+    """`llmlab.bench.serving.run` from a notebook cell, where an event loop is already running."""
+    from llmlab.bench import serving
+
+    prompts = serving.synthetic_prompts(3, seed=0, mean_input_len=12, mean_output_len=3, max_output_len=4)
+
+    async def notebook_cell():
+        return serving.run(server, [math.inf], prompts, api_key=API_KEY, progress=False)
+
+    (result,) = asyncio.run(notebook_cell())["results"]
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert result["mean_output_tokens"] == sum(p.output_len for p in prompts) / 3

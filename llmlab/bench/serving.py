@@ -205,9 +205,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
         api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
-    """A sweep over `rates` (one warm-up request first); returns the plot-ready results."""
-    import asyncio
-
+    """A sweep over `rates` (one warm-up request first); returns the plot-ready results.
+    Works from a script and from a notebook cell alike."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -217,9 +216,23 @@ def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | N
         model = model or models.json()["data"][0]["id"]
         warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
         warm_up.raise_for_status()
-    results = [asyncio.run(run_rate(base_url, model, prompts, rate, seed, api_key, progress)) for rate in rates]
+    results = [_run_coroutine(run_rate(base_url, model, prompts, rate, seed, api_key, progress)) for rate in rates]
     return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+
+
+def _run_coroutine(coroutine):
+    """asyncio.run, also where an event loop is already running in this thread (Jupyter):
+    then the coroutine gets its own loop in a worker thread."""
+    import asyncio
+    import concurrent.futures
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _cells(stats: dict, scale: float = 1.0, digits: int = 0) -> str:
