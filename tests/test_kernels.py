@@ -283,6 +283,17 @@ def test_decode_attention_more_splits_than_tiles(backend):
     check_decode_attention(backend, torch.float32, 4, 1, 128, 16, [1, 100], num_splits=5)
 
 
+def test_torch_decode_attention_groups_sequences_by_length():
+    """Short and long contexts in one batch: the torch backend gathers them in groups of
+    similar length (each padded only to its own longest), out of batch order."""
+    from llmlab.kernels.torch_backend import decode_groups
+
+    seq_lens = [3, 700, 20, 1500, 64, 5, 900, 33]
+    groups = decode_groups(seq_lens, 16)
+    assert len(groups) > 1 and sorted(i for g in groups for i in g) == list(range(len(seq_lens)))
+    check_decode_attention("torch", torch.float32, 6, 2, 64, 16, seq_lens, 1)
+
+
 @pytest.mark.parametrize("num_splits", [0, None])
 def test_decode_attention_chooses_splits(num_splits):
     check_decode_attention("triton", torch.float32, 3, 1, 64, 16, [5, 60], num_splits)

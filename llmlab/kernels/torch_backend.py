@@ -9,7 +9,8 @@ against the reference like the Triton kernels are. What changes:
 - store_kv is one `index_copy_` per cache when no slot is padding;
 - attention gathers each sequence's blocks with one `index_select` and hands them to
   `F.scaled_dot_product_attention` (FlashAttention's CPU kernel); decode treats the G query
-  heads that share a kv head as G queries of that head, so no kv head is repeated.
+  heads that share a kv head as G queries of that head, so no kv head is repeated, and
+  gathers sequences of similar length together, so short ones are not padded to the longest.
 """
 from __future__ import annotations
 
