@@ -103,7 +103,7 @@ def decode_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
     """Batch positions split into 1, 2, 4 or 8 groups of similar length (by sorted length,
     equal counts): whichever gathers the fewest rows, fixed costs included."""
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    best, best_cost = [order], None
+    best, best_cost = [list(range(len(seq_lens)))], None   # one group: the batch as it is
     for num_groups in (1, 2, 4, 8):
         if num_groups > len(order):
             break
@@ -112,7 +112,7 @@ def decode_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
         rows = sum(len(g) * -(-seq_lens[g[-1]] // block_size) * block_size for g in groups)
         cost = rows + GROUP_OVERHEAD_ROWS * len(groups)
         if best_cost is None or cost < best_cost:
-            best, best_cost = groups, cost
+            best, best_cost = (best if num_groups == 1 else groups), cost
     return best
 
 
@@ -126,7 +126,7 @@ def decode_layout(block_tables, seq_lens, block_size):
         groups = decode_groups(lens, block_size)
         layout = []
         for group in groups:
-            whole = len(groups) == 1 and group == sorted(group)
+            whole = len(groups) == 1   # in batch order: no reordering of q or the output
             index = None if whole else torch.tensor(group, device=seq_lens.device)
             group_lens = seq_lens if whole else seq_lens[index]
             num_blocks = -(-max(lens[i] for i in group) // block_size)
