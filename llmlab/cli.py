@@ -45,15 +45,13 @@ def _params(args):
 def _stream(engine, prompt, params) -> str:
     """Run one request, printing its text as it grows; returns the final text."""
     request_id = engine.add_request(prompt, params)
-    shown = ""
     while True:
         for out in engine.step():
             if out.request_id == request_id:
-                print(out.text[len(shown):], end="", flush=True)
-                shown = out.text
+                print(out.delta_text, end="", flush=True)
                 if out.finished:
                     print()
-                    return shown
+                    return out.text
 
 
 def cmd_generate(args) -> None:

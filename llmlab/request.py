@@ -43,6 +43,7 @@ class Request:
     num_cached_prompt_tokens: int = 0   # prompt tokens found in the prefix cache
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_reported_tokens: int = 0     # output tokens already handed out in a RequestOutput
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -84,20 +85,60 @@ class Request:
         return self.detokenizer.text if self.detokenizer is not None else ""
 
 
-@dataclass
-class RequestOutput:
-    """What a request has produced so far (returned by `LLMEngine.step`, `LLM.generate`)."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_cached_prompt_tokens: int = 0   # prompt tokens served from the prefix cache
+class RequestOutput:   # a plain class with __slots__: it is built for every request every step
+    """What a request has produced so far (returned by `LLMEngine.step`, `LLM.generate`).
+
+    `text` and `token_ids` are cumulative; `delta_text` and `delta_token_ids` are what is
+    new since the request's previous output (what a stream sends). Building an output is
+    O(1) in the output's length: the cumulative views are a snapshot (a reference and a
+    length) materialized only when read, so a long stream does not pay O(length) per step.
+    """
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "delta_text", "delta_token_ids",
+                 "finished", "finish_reason", "num_cached_prompt_tokens",
+                 "_all_token_ids", "_num_tokens", "_detokenizer", "_num_pieces", "_text")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 text: str = "", token_ids: list[int] = (), finished: bool = False,
+                 finish_reason: str | None = None, num_cached_prompt_tokens: int = 0,
+                 delta_text: str | None = None, delta_token_ids: list[int] | None = None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.finished, self.finish_reason = finished, finish_reason
+        self.num_cached_prompt_tokens = num_cached_prompt_tokens   # prompt tokens served from the prefix cache
+        self._all_token_ids, self._num_tokens = list(token_ids), len(token_ids)
+        self._detokenizer, self._num_pieces, self._text = None, 0, text
+        self.delta_text = text if delta_text is None else delta_text
+        self.delta_token_ids = list(self._all_token_ids) if delta_token_ids is None else delta_token_ids
 
     @classmethod
-    def of(cls, request: Request) -> "RequestOutput":
-        return cls(request.request_id, request.prompt, request.prompt_token_ids, request.text,
-                   list(request.output_token_ids), request.finished, request.finish_reason,
-                   request.num_cached_prompt_tokens)
+    def of(cls, request: "Request") -> "RequestOutput":
+        """A snapshot of `request` now, with what is new since its previous output (so the
+        request's delta counters advance: call it once per output handed out)."""
+        out = cls.__new__(cls)
+        start, request.num_reported_tokens = request.num_reported_tokens, len(request.output_token_ids)
+        delta_token_ids = request.output_token_ids[start:]
+        delta_text = request.detokenizer.take_delta() if request.detokenizer is not None else ""
+        out.request_id, out.prompt, out.prompt_token_ids = request.request_id, request.prompt, request.prompt_token_ids
+        out.finished, out.finish_reason = request.finished, request.finish_reason
+        out.num_cached_prompt_tokens = request.num_cached_prompt_tokens
+        out._all_token_ids, out._num_tokens = request.output_token_ids, len(request.output_token_ids)
+        detokenizer = request.detokenizer
+        out._detokenizer, out._num_pieces = detokenizer, len(detokenizer.pieces) if detokenizer else 0
+        out._text = None if detokenizer else ""
+        out.delta_text, out.delta_token_ids = delta_text, delta_token_ids
+        return out
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated so far (cumulative)."""
+        return self._all_token_ids[:self._num_tokens]
+
+    @property
+    def text(self) -> str:
+        """The text generated so far (cumulative; a held-back partial stop string excluded)."""
+        if self._text is None:
+            self._text = self._detokenizer.text_of(self._num_pieces)
+        return self._text
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, text={self.text!r}, "
+                f"token_ids={self.token_ids}, finished={self.finished}, finish_reason={self.finish_reason!r})")

@@ -37,7 +37,11 @@ class IncrementalDetokenizer:
     It decodes a short window of tokens twice (with and without the newest ones) and
     appends only the difference; a window ending in an incomplete UTF-8 character
     (decoded as U+FFFD) waits for the next token. Text that might be the start of a
-    stop string is held back until it is known not to be one.
+    stop string is held back ("pending") until it is known not to be one.
+
+    Work per token does not grow with the output's length: released text is kept as a
+    list of pieces (joined only when someone asks for `text`), and the stop-string search
+    looks only at the held-back tail plus the new piece, the only place a stop can end.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
@@ -47,19 +51,40 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)         # tokens already turned into text
         self.stop = stop
         self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self.full_text = ""                            # everything decoded so far
+        self.pieces: list[str] = []                    # released text, in order
+        self.pending = ""                              # decoded but held back (a stop may start here)
         self.stopped_on: str | None = None
+        self._delta: list[str] = []                    # pieces released since take_delta()
+        self._joined, self._num_joined = "", 0
 
     @property
     def text(self) -> str:
         """Text safe to show: no partial stop string at its end."""
-        if self.stopped_on is not None or not self.hold_back:
-            return self.full_text
-        return self.full_text[: max(0, len(self.full_text) - self.hold_back)]
+        return self.text_of(len(self.pieces))
+
+    def text_of(self, num_pieces: int) -> str:
+        """The text made of the first `num_pieces` released pieces (an output's snapshot)."""
+        if num_pieces < self._num_joined:
+            return "".join(self.pieces[:num_pieces])
+        if num_pieces > self._num_joined:
+            self._joined += "".join(self.pieces[self._num_joined:num_pieces])
+            self._num_joined = num_pieces
+        return self._joined
+
+    def take_delta(self) -> str:
+        """Text released since the last call."""
+        delta, self._delta = "".join(self._delta), []
+        return delta
+
+    def _release(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+            self._delta.append(text)
 
     def finish(self) -> None:
         """The request ended for another reason: release the held-back tail."""
-        self.hold_back = 0
+        self._release(self.pending)
+        self.pending, self.hold_back = "", 0
 
     def add_token(self, token_id: int) -> bool:
         """Append one token; returns True when a stop string appeared (text is cut before it)."""
@@ -69,14 +94,17 @@ class IncrementalDetokenizer:
         new_text = decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False   # no complete character yet
-        delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        search_from = max(0, len(self.full_text) - self.hold_back)
-        self.full_text += delta
-        found = [(at, stop) for stop in self.stop
-                 if (at := self.full_text.find(stop, search_from)) != -1]
+        # a stop string ending in the new piece starts at most hold_back characters before it,
+        # i.e. inside the pending tail: searching pending + new piece finds every stop once
+        window = self.pending + new_text[len(prefix_text):]
+        found = [(at, stop) for stop in self.stop if (at := window.find(stop)) != -1]
         if found:
             at, self.stopped_on = min(found)   # the earliest stop string wins
-            self.full_text = self.full_text[:at]
+            self._release(window[:at])
+            self.pending = ""
             return True
+        keep = max(0, len(window) - self.hold_back)
+        self._release(window[:keep])
+        self.pending = window[keep:]
         return False

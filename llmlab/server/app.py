@@ -220,12 +220,11 @@ def event_stream(stream: RequestStream, chunk, include_usage: bool, first_chunk)
     async def events():
         if first_chunk is not None:
             yield event(first_chunk)
-        sent, output = "", None
+        output = None
         try:
-            async for output in stream.outputs():
-                delta, sent = output.text[len(sent):], output.text   # the text only ever grows
-                if delta or output.finished:
-                    yield event(chunk(delta, output.finish_reason if output.finished else None))
+            async for output in stream.outputs():   # O(1) per token: only the new text is touched
+                if output.delta_text or output.finished:
+                    yield event(chunk(output.delta_text, output.finish_reason if output.finished else None))
         except Exception as err:    # headers are sent: the error goes in the stream
             yield f"data: {json.dumps(APIError(500, str(err), type='server_error').body())}\n\n"
         else:

@@ -51,8 +51,8 @@ class RequestStream:
         return self.accepted.result()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes. Each output holds everything generated
-        so far, so when several are queued (a slow reader) only the newest is yielded."""
+        """The request's outputs until it finishes. When several are queued (a slow reader)
+        they are merged into one: the newest, carrying all their deltas."""
         while not self.finished:
             items = [await self.queue.get()]
             while not self.queue.empty():
@@ -61,8 +61,12 @@ class RequestStream:
             if errors:
                 self.finished = True
                 raise errors[0]
-            self.finished = items[-1].finished
-            yield items[-1]
+            last = items[-1]
+            if len(items) > 1:
+                last.delta_text = "".join(item.delta_text for item in items)
+                last.delta_token_ids = [t for item in items for t in item.delta_token_ids]
+            self.finished = last.finished
+            yield last
 
     def close(self) -> None:
         """The reader is done: abort the request unless it finished (its KV blocks come back)."""
@@ -187,12 +191,12 @@ class AsyncEngine:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        num_new = len(output.token_ids) - stream.num_tokens_seen
+        num_new = len(output.delta_token_ids)
         if num_new > 0:
             first = stream.num_tokens_seen == 0
             self.metrics.on_tokens(num_new, now - stream.arrival_time if first else None,
                                    None if first else now - stream.last_token_time)
-            stream.num_tokens_seen, stream.last_token_time = len(output.token_ids), now
+            stream.num_tokens_seen, stream.last_token_time = stream.num_tokens_seen + num_new, now
         if output.finished:
             del self._streams[output.request_id]
             self.metrics.on_finished(output.finish_reason, now - stream.arrival_time)
