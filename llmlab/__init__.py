@@ -2,6 +2,7 @@
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.engine import LLMEngine
 from llmlab.engine.llm import LLM
+from llmlab import experiments   # workloads, run / simulate, latency metrics: llmlab.experiments
 from llmlab.hooks import Recorder, StepRecord, Trace
 from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams

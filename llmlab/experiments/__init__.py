@@ -1,0 +1,34 @@
+"""Scheduling experiments: workloads with arrivals over time, runs on a real engine or a
+simulator, latency and SLO metrics, figures.
+
+    from llmlab.experiments import Workload, run, simulate, CostModel
+    workload = Workload.poisson(100, rate=4.0, prompt_len=(16, 256), output_len=(8, 64))
+    measured = run(workload, llmlab.LLM().engine, policy="fcfs")
+    cost = CostModel.fit(measured.trace)                          # step time from step shape
+    predicted = simulate(workload, EngineConfig(), cost, policy="shortest_prompt_first")
+    measured.summary(slo={"ttft": 1.0, "tpot": 0.1}); compare([measured, predicted])
+
+workload.py builds workloads, run.py drives an engine on the wall clock, simulate.py the
+same Scheduler on a simulated clock, cost_model.py predicts step times, result.py holds
+per-request metrics and summaries, policies.py names the scheduling policies, figures.py
+draws them (plotly is imported only there).
+"""
+from llmlab.experiments.cost_model import FEATURES, CostModel, step_features
+from llmlab.experiments.policies import POLICIES, resolve_policy
+from llmlab.experiments.result import RequestMetrics, Result, StepStats
+from llmlab.experiments.run import engine_meta, run
+from llmlab.experiments.simulate import simulate
+from llmlab.experiments.workload import Workload, WorkloadRequest, read_lengths
+
+
+def __getattr__(name):   # figures need plotly, which a GPU box may not have: import on first use
+    if name in ("latency_cdf", "request_timeline", "compare", "step_timeline", "prediction_error"):
+        from llmlab.experiments import figures
+
+        return getattr(figures, name)
+    raise AttributeError(f"module 'llmlab.experiments' has no attribute {name!r}")
+
+
+__all__ = ["FEATURES", "POLICIES", "CostModel", "RequestMetrics", "Result", "StepStats", "Workload",
+           "WorkloadRequest", "compare", "engine_meta", "latency_cdf", "prediction_error", "read_lengths",
+           "request_timeline", "resolve_policy", "run", "simulate", "step_features", "step_timeline"]

@@ -1,0 +1,146 @@
+"""How long an engine step takes, predicted from its shape: the simulator's clock.
+
+A step's time is linear in a few counts of work (Vidur, MLSys '24, profiles the same
+quantities per operator; one linear model per step is the coarse version):
+
+  intercept          fixed cost of a step: kernel launches, Python, reading the weights once
+                     (a decode step of a big model on a GPU is mostly this);
+  mixed              extra fixed cost of a step that has a prompt chunk (eager forward, no
+                     CUDA graph; other kernels);
+  prefill_tokens     linear layers over prompt tokens (2 x parameters FLOPs each);
+  decode_tokens      linear layers and sampling per decoding sequence;
+  decode_context     KV tokens read by decode attention (sum of context lengths);
+  prefill_attention  query-key pairs of prefill attention, in thousands (a chunk of n tokens
+                     at position p attends to p + (n + 1) / 2 keys on average);
+  num_prefills       per-sequence cost of a prompt chunk (metadata, gathers);
+  swap_blocks        KV blocks copied between host and device.
+
+`CostModel.fit(trace)` solves a least-squares problem on the recorded steps, weighted to
+minimise relative error (a 5 ms decode step matters as much as a 200 ms prefill), keeping
+every coefficient >= 0, and drops one-off outliers (a Triton compile, a CUDA graph capture)
+before refitting. The target is each step's wall time from the end of the step before
+(`step_durations`), so per-step overhead outside the engine's phases is in the model too.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from llmlab.experiments.result import step_durations
+
+FEATURES = ("intercept", "mixed", "prefill_tokens", "decode_tokens", "decode_context", "prefill_attention",
+            "num_prefills", "swap_blocks")
+
+
+def step_features(items, swap_blocks: int = 0) -> list[float]:
+    """The FEATURES of one step. `items` are the step's scheduled items (ScheduledItem of a
+    Plan, or ScheduledRecord of a trace): kind, num_tokens, start_position."""
+    prefill_tokens = decode_tokens = decode_context = num_prefills = 0
+    prefill_attention = 0.0
+    for item in items:
+        if item.kind == "decode":
+            decode_tokens += 1
+            decode_context += item.start_position + 1
+        else:
+            num_prefills += 1
+            prefill_tokens += item.num_tokens
+            prefill_attention += item.num_tokens * (item.start_position + (item.num_tokens + 1) / 2) / 1000
+    return [1.0, float(num_prefills > 0), prefill_tokens, decode_tokens, decode_context, prefill_attention,
+            num_prefills, swap_blocks]
+
+
+def swapped_blocks(step) -> int:
+    """KV blocks a recorded step copied: those of requests swapped out (now in host tables) and
+    swapped in (now in device tables)."""
+    return (sum(len(step.host_block_tables.get(r, ())) for r in step.swapped_out)
+            + sum(len(step.block_tables.get(r, ())) for r in step.swapped_in))
+
+
+class CostModel:
+    def __init__(self, coefficients: dict[str, float], meta: dict | None = None):
+        unknown = set(coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown cost-model term(s) {sorted(unknown)}; terms are {FEATURES}")
+        self.coefficients = {name: float(coefficients.get(name, 0.0)) for name in FEATURES}
+        self.meta = dict(meta or {})     # the engine it was fitted on, fit quality
+        self._weights = np.array([self.coefficients[name] for name in FEATURES])
+
+    def __repr__(self) -> str:
+        terms = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients.items() if v)
+        return f"CostModel({terms})"
+
+    def step_time(self, items, swap_blocks: int = 0) -> float:
+        """Predicted seconds for a step that runs `items`."""
+        return float(np.dot(self._weights, step_features(items, swap_blocks)))
+
+    @classmethod
+    def constant(cls, seconds: float, meta: dict | None = None) -> "CostModel":
+        """Every step takes `seconds` (a toy clock: schedules, not latencies, are what it gets right)."""
+        if not seconds > 0:
+            raise ValueError(f"a step must take a positive time, got {seconds!r}")
+        return cls({"intercept": seconds}, meta)
+
+    # ---- fitting -----------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, traces, outlier_factor: float = 4.0) -> "CostModel":
+        """Fit on one Trace or a list of them (recorded by `run` or any Recorder). Steps whose
+        relative error is over `outlier_factor` times the median one are dropped (one-off work)."""
+        traces = traces if isinstance(traces, (list, tuple)) else [traces]
+        rows, targets = [], []
+        for trace in traces:
+            for step, seconds in zip(trace.steps, step_durations(trace)):
+                if seconds is not None and step.scheduled:
+                    rows.append(step_features(step.scheduled, swapped_blocks(step)))
+                    targets.append(seconds)
+        if len(rows) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} busy steps to fit a cost model, got {len(rows)}")
+        X, y = np.array(rows), np.array(targets)
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(3):   # fit, drop outliers, refit
+            weights = _nonnegative_relative_lstsq(X[keep], y[keep])
+            error = np.abs(X @ weights - y) / y
+            new_keep = error <= outlier_factor * max(np.median(error[keep]), 0.01)
+            if (new_keep == keep).all():
+                break
+            keep = new_keep
+        error = np.abs(X[keep] @ weights - y[keep]) / y[keep]
+        meta = dict(traces[0].meta.get("engine", traces[0].meta))
+        meta["fit"] = {"num_steps": int(len(y)), "num_outliers": int((~keep).sum()),
+                       "median_relative_error": float(np.median(error)),
+                       "p90_relative_error": float(np.percentile(error, 90))}
+        return cls(dict(zip(FEATURES, weights.tolist())), meta)
+
+    # ---- files -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"coefficients": self.coefficients, "meta": self.meta}
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        with open(path) as f:
+            data = json.load(f)
+        if "coefficients" not in data:
+            raise ValueError(f"{path} is not a saved CostModel (no 'coefficients')")
+        return cls(data["coefficients"], data.get("meta"))
+
+
+def _nonnegative_relative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin_w sum(((X w - y) / y)^2) with w >= 0: least squares on rows divided by y; a
+    term that comes out negative (noise, or a feature the data never varies) is set to 0
+    and the rest refitted, until none is negative (an active-set method, Lawson-Hanson style)."""
+    Xr, yr = X / y[:, None], np.ones_like(y)
+    active = np.ones(X.shape[1], dtype=bool)
+    active &= np.abs(X).sum(axis=0) > 0     # features that are always 0 stay out
+    weights = np.zeros(X.shape[1])
+    while active.any():
+        solution, *_ = np.linalg.lstsq(Xr[:, active], yr, rcond=None)
+        weights[:] = 0
+        weights[active] = solution
+        if (solution >= 0).all():
+            break
+        active[np.flatnonzero(active)[solution.argmin()]] = False   # drop the most negative term
+    return weights

@@ -1,0 +1,113 @@
+"""Plotly figures of experiment Results: latency CDFs, per-request timelines, what each step
+ran over time, several results side by side, and a simulation's error against a real run.
+Pure functions, like llmlab/viz: a Result (or several) in, a go.Figure out.
+
+Several results are passed as a dict {name: Result} or a list (named "run 0", "run 1", ...
+unless their meta says "label").
+"""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from llmlab.experiments.result import Result
+from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS
+
+METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)"}
+SUMMARY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")
+
+
+def _named(results) -> dict[str, Result]:
+    if isinstance(results, Result):
+        return {results.meta.get("label", "run"): results}
+    if isinstance(results, dict):
+        return dict(results)
+    return {r.meta.get("label", f"run {i}"): r for i, r in enumerate(results)}
+
+
+def latency_cdf(results, metrics=("ttft", "tpot", "e2e")) -> go.Figure:
+    """Empirical CDF of each metric (one panel each), one line per result: where the tail is."""
+    named = _named(results)
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[METRIC_TITLES[m] for m in metrics])
+    for i, (name, result) in enumerate(named.items()):
+        color = REQUEST_COLORS[i % len(REQUEST_COLORS)]
+        for col, metric in enumerate(metrics, 1):
+            values = np.sort([v for v in (getattr(r, metric) for r in result.requests) if v is not None])
+            fig.add_trace(go.Scatter(x=values, y=np.arange(1, len(values) + 1) / max(len(values), 1),
+                                     mode="lines", name=name, legendgroup=name, showlegend=col == 1,
+                                     line=dict(color=color, shape="hv")), row=1, col=col)
+    fig.update_yaxes(title_text="fraction of requests", row=1, col=1)
+    fig.update_layout(title="Latency CDFs", height=340, margin=dict(t=60, b=40))
+    return fig
+
+
+def request_timeline(result: Result, max_requests: int = 60) -> go.Figure:
+    """One row per request (the first `max_requests` by arrival): waiting (arrival -> first
+    scheduled), prefill (-> first token), decode (-> finish); x marks preemptions."""
+    requests = sorted(result.requests, key=lambda r: r.arrival)[:max_requests]
+    ids = [r.request_id for r in requests]
+    phases = {"waiting": [], "prefill": [], "decode": []}
+    for r in requests:
+        scheduled = r.first_scheduled if r.first_scheduled is not None else r.first_token
+        bounds = [r.arrival, scheduled, r.first_token, r.finish]
+        for (phase, values), start, end in zip(phases.items(), bounds, bounds[1:]):
+            ok = start is not None and end is not None
+            values.append((start if ok else 0.0, (end - start) if ok else 0.0))
+    fig = go.Figure([go.Bar(name=phase, y=ids, x=[d for _, d in values], base=[s for s, _ in values],
+                            orientation="h", marker_color=STATE_COLORS[phase])
+                     for phase, values in phases.items()])
+    preempted = [r for r in requests if r.num_preemptions]
+    fig.add_trace(go.Scatter(name="preempted (count)", y=[r.request_id for r in preempted],
+                             x=[r.finish for r in preempted], mode="markers+text",
+                             text=[str(r.num_preemptions) for r in preempted], textposition="middle right",
+                             marker=dict(symbol="x", color=STATE_COLORS["preempted"], size=9)))
+    fig.update_layout(barmode="overlay", title=f"Requests over time ({result.meta.get('kind', 'run')})",
+                      xaxis_title="seconds", yaxis=dict(title="request", autorange="reversed", type="category"),
+                      height=160 + 14 * len(ids), margin=dict(t=50, b=40))
+    return fig
+
+
+def step_timeline(result: Result) -> go.Figure:
+    """Per step, against time: prefill and decode tokens in the batch, and the waiting queue."""
+    steps = result.steps
+    time = [s.time for s in steps]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35],
+                        subplot_titles=["tokens per step", "waiting requests"])
+    fig.add_trace(go.Scatter(x=time, y=[s.num_prefill_tokens for s in steps], name="prefill tokens",
+                             mode="lines", line=dict(color=STATE_COLORS["prefill"], shape="hv")), row=1, col=1)
+    fig.add_trace(go.Scatter(x=time, y=[s.num_decode_tokens for s in steps], name="decode tokens",
+                             mode="lines", line=dict(color=STATE_COLORS["decode"], shape="hv")), row=1, col=1)
+    fig.add_trace(go.Scatter(x=time, y=[s.num_waiting for s in steps], name="waiting", mode="lines",
+                             line=dict(color=STATE_COLORS["waiting"], shape="hv"), fill="tozeroy"), row=2, col=1)
+    fig.update_xaxes(title_text="seconds", row=2, col=1)
+    fig.update_layout(title="What the engine ran", height=420, margin=dict(t=60, b=40))
+    return fig
+
+
+def compare(results, keys=SUMMARY_KEYS, slo: dict | None = None) -> go.Figure:
+    """Summary percentiles of several results side by side (grouped bars, seconds)."""
+    named = _named(results)
+    fig = go.Figure()
+    for i, (name, result) in enumerate(named.items()):
+        summary = result.summary(slo)
+        text = f" (SLO met {summary['slo_attainment']:.0%})" if slo else ""
+        fig.add_trace(go.Bar(name=name + text, x=list(keys), y=[summary[k] for k in keys],
+                             marker_color=REQUEST_COLORS[i % len(REQUEST_COLORS)]))
+    fig.update_layout(barmode="group", title="Latency percentiles", yaxis_title="seconds",
+                      height=340, margin=dict(t=50, b=40))
+    return fig
+
+
+def prediction_error(measured: Result, predicted: Result,
+                     keys=("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")) -> go.Figure:
+    """(predicted - measured) / measured per summary metric, with the +-15% band the
+    simulator aims for."""
+    a, b = measured.summary(), predicted.summary()
+    errors = [(b[k] - a[k]) / a[k] * 100 for k in keys]
+    fig = go.Figure(go.Bar(x=list(keys), y=errors, text=[f"{e:+.0f}%" for e in errors],
+                           marker_color=[STATE_COLORS["decode"] if abs(e) <= 15 else STATE_COLORS["preempted"]
+                                         for e in errors]))
+    fig.add_hrect(y0=-15, y1=15, fillcolor=STATE_COLORS["waiting"], opacity=0.25, line_width=0)
+    fig.update_layout(title="Simulated vs measured", yaxis_title="error (%)", height=320, margin=dict(t=50, b=40))
+    return fig

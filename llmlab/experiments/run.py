@@ -1,0 +1,88 @@
+"""Run a workload on a real engine, on the wall clock: each request is added when its
+arrival time comes, the engine steps while it has work, and a Recorder keeps every step.
+The Result's per-request times come from that trace (`Result.from_trace`).
+
+    result = run(Workload.poisson(50, rate=2.0), llmlab.LLM().engine, policy="fcfs")
+    result.summary(slo={"ttft": 1.0, "tpot": 0.1})
+"""
+from __future__ import annotations
+
+import time
+
+from llmlab.config import EngineConfig
+from llmlab.engine.engine import LLMEngine
+from llmlab.experiments.policies import resolve_policy
+from llmlab.experiments.result import Result
+from llmlab.experiments.workload import Workload
+from llmlab.hooks import Recorder
+from llmlab.sampling import SamplingParams
+
+
+def engine_meta(engine: LLMEngine) -> dict:
+    """What the simulator needs to know about an engine to replay its scheduling: KV blocks,
+    their size in bytes (to turn swap_space into host blocks), context limit, and where it ran."""
+    from llmlab.cache.kv_cache import bytes_per_block
+
+    config = engine.config
+    return {"num_gpu_blocks": engine.block_manager.num_device_blocks,
+            "num_host_blocks": engine.block_manager.num_host_blocks,
+            "bytes_per_block": bytes_per_block(engine.model_config, config.block_size, engine.dtype),
+            "block_size": config.block_size, "max_model_len": engine.max_model_len,
+            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enable_chunked_prefill": config.enable_chunked_prefill, "model": str(config.model),
+            "device": engine.device.type, "dtype": str(engine.dtype).removeprefix("torch."),
+            "backend": engine.backend, "num_layers": engine.model_config.num_layers,
+            "hidden_size": engine.model_config.hidden_size}
+
+
+def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True) -> Result:
+    """Drive a real engine through `workload` (an EngineConfig builds a new engine; an LLM or
+    LLMEngine is used as it is, and must be idle). Every request generates exactly its
+    output_len tokens (greedy, EOS ignored). `warmup` first runs one short request, untimed."""
+    workload.check()
+    engine = _engine(config_or_engine)
+    if engine.has_unfinished_requests():
+        raise ValueError("run() needs an idle engine; it still has unfinished requests")
+    key = resolve_policy(policy, workload)
+    if warmup:   # first-call costs (allocator, oneDNN, Triton) do not belong to any request
+        engine.add_request(workload.requests[0].prompt_token_ids[:16], SamplingParams(max_tokens=2),
+                           request_id="warm-up")
+        while engine.has_unfinished_requests():
+            engine.step()
+    previous_policy, engine.scheduler.policy = engine.scheduler.policy, key
+    recorder = Recorder(engine=engine_meta(engine), policy=getattr(policy, "__name__", str(policy)))
+    engine.hooks.attach(recorder)
+    pending = sorted(workload.requests, key=lambda r: r.arrival_time)
+    arrivals, next_index = {}, 0
+    start = time.perf_counter()
+    try:
+        while next_index < len(pending) or engine.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while next_index < len(pending) and pending[next_index].arrival_time <= now:
+                r = pending[next_index]
+                engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0,
+                                                                      ignore_eos=True), request_id=r.request_id)
+                arrivals[r.request_id] = start + r.arrival_time
+                next_index += 1
+            if engine.has_unfinished_requests():
+                engine.step()
+            else:    # idle until the next arrival
+                time.sleep(max(0.0, pending[next_index].arrival_time - now))
+    finally:
+        engine.hooks.detach(recorder)
+        engine.scheduler.policy = previous_policy
+        for request_id in list(engine.requests):   # interrupted: leave the engine idle
+            engine.abort(request_id)
+    meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"]}
+    return Result.from_trace(recorder.trace, arrivals, origin=start,
+                             priorities={r.request_id: r.priority for r in workload}, meta=meta)
+
+
+def _engine(config_or_engine) -> LLMEngine:
+    if isinstance(config_or_engine, LLMEngine):
+        return config_or_engine
+    if isinstance(getattr(config_or_engine, "engine", None), LLMEngine):   # an LLM
+        return config_or_engine.engine
+    if isinstance(config_or_engine, EngineConfig):
+        return LLMEngine(config_or_engine)
+    raise ValueError(f"run() takes an EngineConfig, an LLM or an LLMEngine, got {type(config_or_engine).__name__}")

@@ -1,0 +1,138 @@
+"""Replay a workload through the real Scheduler and BlockManager with no model: each step's
+forward is replaced by the cost model's prediction on a simulated clock, and every sampled
+token is a placeholder. The scheduling decisions (who is admitted, chunked, preempted,
+swapped) are the engine's own code, so they are exactly what an engine with this config
+would decide given the same step times; only the times are predicted (Vidur's approach).
+
+What it assumes, and where that stops holding:
+  * a step's time depends only on its shape (the cost model's terms); contention from other
+    processes, clock boosts, a Triton compile or a CUDA-graph capture are not in it;
+  * every request generates exactly output_len tokens (EOS ignored), as in the real run;
+  * placeholder tokens mean prefix-cache hits on *generated* text (two identical prompts
+    recomputed after preemption) are not reproduced; hits on prompts are.
+"""
+from __future__ import annotations
+
+import math
+
+from llmlab.cache.block_manager import BlockManager
+from llmlab.config import EngineConfig
+from llmlab.experiments.cost_model import CostModel
+from llmlab.experiments.policies import resolve_policy
+from llmlab.experiments.result import RequestMetrics, Result, StepStats
+from llmlab.experiments.workload import Workload
+from llmlab.hooks import ScheduledRecord, StepRecord, Trace
+from llmlab.request import Request, RequestStatus
+from llmlab.sampling import SamplingParams
+from llmlab.scheduler import Plan, Scheduler
+
+PLACEHOLDER_TOKEN = 0
+
+
+def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, policy="fcfs",
+             record_trace: bool = False) -> Result:
+    """The Result `run(workload, config, policy)` would give if every step took the time
+    `cost_model` predicts. KV blocks come from `config.num_gpu_blocks`, or else from the
+    engine the cost model was fitted on (cost_model.meta). `record_trace` also keeps a Trace
+    of every step (what was scheduled, preempted, swapped) for the viz figures."""
+    workload.check()
+    if not isinstance(config, EngineConfig):
+        raise ValueError(f"simulate() takes an EngineConfig, got {type(config).__name__}")
+    key = resolve_policy(policy, workload)
+    meta = cost_model.meta
+    num_device = config.num_gpu_blocks or meta.get("num_gpu_blocks")
+    if not num_device:
+        raise ValueError("set config.num_gpu_blocks: the cost model does not say how many KV blocks "
+                         "its engine had (meta['num_gpu_blocks'])")
+    if "bytes_per_block" in meta:
+        num_host = int(config.swap_space * 2**30) // meta["bytes_per_block"]
+    else:
+        num_host = meta.get("num_host_blocks", 0)
+    max_model_len = min(config.max_model_len or meta.get("max_model_len") or math.inf,
+                        num_device * config.block_size)
+    for r in workload:
+        if len(r.prompt_token_ids) >= max_model_len:
+            raise ValueError(f"request {r.request_id!r} has {len(r.prompt_token_ids)} prompt tokens, but "
+                             f"max_model_len is {max_model_len}")
+    scheduler = Scheduler(config, BlockManager(num_device, num_host, config.block_size,
+                                               config.enable_prefix_caching), max_model_len, key)
+    pending = sorted(workload.requests, key=lambda r: r.arrival_time)
+    metrics = {r.request_id: RequestMetrics(r.request_id, r.arrival_time, len(r.prompt_token_ids), r.priority)
+               for r in pending}
+    trace = Trace(meta={"engine": dict(meta), "simulated": True}) if record_trace else None
+    steps: list[StepStats] = []
+    clock, next_index, last_arrival = 0.0, 0, -math.inf
+    while next_index < len(pending) or scheduler.has_unfinished():
+        while next_index < len(pending) and pending[next_index].arrival_time <= clock:
+            r = pending[next_index]
+            # strictly increasing, as the engine's add-time clock is: FCFS ties follow the workload order
+            last_arrival = max(r.arrival_time, math.nextafter(last_arrival, math.inf))
+            scheduler.add(Request(r.request_id, None, r.prompt_token_ids,
+                                  SamplingParams(max_tokens=r.output_len, ignore_eos=True), last_arrival))
+            next_index += 1
+        if not scheduler.has_unfinished():    # idle until the next arrival
+            clock = pending[next_index].arrival_time
+            continue
+        plan = scheduler.schedule()
+        if plan.is_empty and not (plan.preempted or plan.swapped_out or plan.swapped_in):
+            if next_index == len(pending):
+                raise RuntimeError("the simulated engine cannot schedule anything and no request is left to "
+                                   "arrive: a request needs more KV blocks than the cache has")
+            clock = pending[next_index].arrival_time   # nothing changes before then
+            continue
+        swap_blocks = len(plan.swap_in_copies) + len(plan.swap_out_copies)
+        duration = cost_model.step_time(plan.items, swap_blocks) if plan.items else 0.0
+        start, clock = clock, clock + duration
+        for item in plan.prefills:
+            m = metrics[item.request.request_id]
+            if m.first_scheduled is None:
+                m.first_scheduled = start
+        for request_id in plan.preempted + plan.swapped_out:
+            metrics[request_id].num_preemptions += 1
+        items = plan.items
+        sampled, finished = update_requests(scheduler, plan, max_model_len)
+        for request in sampled:
+            m = metrics[request.request_id]
+            m.token_times.append(clock)
+            if m.first_token is None:
+                m.first_token = clock
+        for request in finished:
+            metrics[request.request_id].finish = clock
+        steps.append(StepStats(clock, duration, sum(i.num_tokens for i in plan.prefills), len(plan.decodes),
+                               len(scheduler.waiting), len(plan.preempted) + len(plan.swapped_out)))
+        if trace is not None:
+            trace.steps.append(StepRecord(
+                step=len(steps) - 1, time=clock, timings={"forward": duration},
+                scheduled=[ScheduledRecord(i.request.request_id, i.kind, i.num_tokens, i.start_position)
+                           for i in items],
+                preempted=list(plan.preempted), swapped_out=list(plan.swapped_out), swapped_in=list(plan.swapped_in),
+                sampled={r.request_id: PLACEHOLDER_TOKEN for r in sampled},
+                finished={r.request_id: r.finish_reason for r in finished},
+                waiting=[r.request_id for r in scheduler.waiting],
+                free_device_blocks=scheduler.blocks.num_free_blocks, total_device_blocks=num_device,
+                free_host_blocks=scheduler.blocks.num_free_host_blocks, total_host_blocks=num_host,
+                token_budget=scheduler.token_budget))
+    result_meta = {"kind": "simulate", "policy": getattr(policy, "__name__", str(policy)), "engine": dict(meta),
+                   "cost_model": cost_model.to_dict()}
+    return Result(list(metrics.values()), steps, result_meta, trace)
+
+
+def update_requests(scheduler: Scheduler, plan: Plan, max_model_len: int) -> tuple[list[Request], list[Request]]:
+    """The post-step bookkeeping of LLMEngine.step, with a placeholder for each sampled token:
+    computed tokens advance, full blocks are hashed for the prefix cache, requests whose
+    prompt is complete get a token, and those done are removed (their blocks freed).
+    Returns (requests that got a token, requests that finished).
+    TODO(Scheduler.update): once the Scheduler owns this, call it here instead."""
+    sampled = [item.request for item in plan.items if item.completes_prompt]   # before computed tokens move
+    for item in plan.items:
+        item.request.num_computed_tokens += item.num_tokens
+        scheduler.blocks.cache_full_blocks(item.request)
+    finished = []
+    for request in sampled:
+        request.output_token_ids.append(PLACEHOLDER_TOKEN)
+        if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= max_model_len:
+            scheduler.remove(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "length"
+            finished.append(request)
+    return sampled, finished
