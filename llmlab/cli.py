@@ -17,20 +17,13 @@ DEMO_PROMPTS = [
 ]
 
 
-def _engine_args(args) -> dict:
-    extra = {}
-    for name in ("dtype", "backend", "device"):
-        if getattr(args, name, None):
-            extra[name] = getattr(args, name)
-    return extra
-
-
 def _load(args):
     import llmlab
+    from llmlab.config import engine_kwargs
 
     start = time.perf_counter()
     print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-    llm = llmlab.LLM(args.model, **_engine_args(args))
+    llm = llmlab.LLM(**engine_kwargs(args))
     print(f"loaded in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     return llm
 
@@ -110,6 +103,7 @@ BENCHMARKS = {
     "offline": "llmlab.bench.offline",
     "serving": "llmlab.bench.serving",
     "hooks": "llmlab.bench.hooks",
+    "calibrate": "llmlab.bench.calibrate",
 }
 
 
@@ -131,7 +125,7 @@ def _add_module_parsers(sub, modules: dict, help_prefix: str) -> None:
             p = sub.add_parser(name, help=f"{help_prefix} {name} (unavailable: needs {err.name})")
             p.set_defaults(func=_missing(name, err.name))
             continue
-        p = sub.add_parser(name, help=f"{help_prefix} {name}: {(module.__doc__ or '').strip().splitlines()[0]}")
+        p = sub.add_parser(name, help=f"{help_prefix} {name}: {(module.__doc__ or '').strip().splitlines()[0]}".strip())
         module.add_arguments(p)
         p.set_defaults(func=module.main)
 
@@ -141,12 +135,12 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, max_tokens=128):
-        p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+        from llmlab.config import add_engine_arguments
+
         p.add_argument("--max-tokens", type=int, default=max_tokens)
         p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--dtype", default=None)
-        p.add_argument("--backend", default=None, choices=["reference", "torch", "triton"])
-        p.add_argument("--device", default=None)
+        # --seed is the sampling seed here (SamplingParams.seed), not EngineConfig.seed
+        add_engine_arguments(p, exclude=("seed",))
 
     p = sub.add_parser("generate", help="generate text for one prompt, streaming")
     p.add_argument("prompt")
@@ -172,7 +166,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS))
     _add_module_parsers(p.add_subparsers(dest="benchmark", required=True), BENCHMARKS, "benchmark")
 
-    _add_module_parsers(sub, {"serve": "llmlab.server.app"}, "OpenAI-compatible server:")
+    _add_module_parsers(sub, {"serve": "llmlab.server.serve"}, "")
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,172 @@
+"""calibrate the simulator: run one workload on the real engine, fit a CostModel on its
+trace, then run a second, different workload and report how far `simulate` is from it.
+
+Writes into --out: fit_trace.json (the engine Trace of the first workload), cost_model.json
+(`CostModel.load`), predict_measured.json / predict_simulated.json (`Result.load`) and
+report.json (the fit, the measured and simulated summaries, their relative errors).
+
+Presets (any option below overrides its value):
+  h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3 minutes on an H200)
+  cpu   the embedded SmolLM2-135M, small workloads (~2 minutes on a 2-core laptop)
+  tiny  a 2-layer random model, a few seconds (a smoke test of this command)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+PRESETS = {
+    "h200": dict(model="random-llama3-8b", max_num_seqs=128, max_num_batched_tokens=2048,
+                 fit_requests=400, fit_rate=8.0, fit_prompt_len="32,1536", fit_output_len="16,384",
+                 predict_requests=400, predict_rate=12.0, predict_cv=2.0, predict_prompt_len="16,768",
+                 predict_output_len="32,512"),
+    "cpu": dict(model="embedded", max_num_seqs=16, max_num_batched_tokens=256,
+                fit_requests=40, fit_rate=0.8, fit_prompt_len="16,256", fit_output_len="8,48",
+                predict_requests=40, predict_rate=1.2, predict_cv=2.0, predict_prompt_len="8,160",
+                predict_output_len="16,64"),
+    "tiny": dict(model="random-tiny", max_num_seqs=16, max_num_batched_tokens=64,
+                 fit_requests=30, fit_rate=200.0, fit_prompt_len="4,60", fit_output_len="2,24",
+                 predict_requests=30, predict_rate=300.0, predict_cv=2.0, predict_prompt_len="4,40",
+                 predict_output_len="4,32"),
+}
+REPORTED = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90", "output_tok_s")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", required=True, help="directory for the trace, cost model and report")
+    parser.add_argument("--preset", default="h200", choices=sorted(PRESETS))
+    parser.add_argument("--model", default=None, help="random-llama3-8b | random-tiny | embedded | a HF folder")
+    parser.add_argument("--layers", type=int, default=None, help="random-llama3-8b with fewer layers (smoke tests)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    for name, kind in (("max-num-seqs", int), ("max-num-batched-tokens", int), ("fit-requests", int),
+                       ("fit-rate", float), ("fit-prompt-len", str), ("fit-output-len", str),
+                       ("predict-requests", int), ("predict-rate", float), ("predict-cv", float),
+                       ("predict-prompt-len", str), ("predict-output-len", str)):
+        parser.add_argument(f"--{name}", type=kind, default=None,
+                            help="lengths are LOW,HIGH (uniform); rates are requests/s" if "len" in name else None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _options(args) -> dict:
+    options = dict(PRESETS[args.preset])
+    for key in list(options):
+        if getattr(args, key, None) is not None:
+            options[key] = getattr(args, key)
+    for key in [k for k in options if k.endswith("_len")]:
+        low, high = (int(x) for x in str(options[key]).split(","))
+        options[key] = (low, high)
+    return options
+
+
+def build_engine(options: dict, args):
+    import torch
+
+    from llmlab import EngineConfig, LLMEngine
+    from llmlab.config import ModelConfig
+    from llmlab.model.llama import LlamaModel
+
+    sizes = dict(max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"])
+    if options["model"] == "random-llama3-8b":
+        from llmlab.bench.single_forward import random_engine
+
+        return random_engine(args, num_gpu_blocks=args.num_gpu_blocks, **sizes)[0].engine
+    if options["model"] == "random-tiny":
+        tiny = ModelConfig.from_hf(dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
+        config = EngineConfig(model="random-tiny", dtype="float32", num_gpu_blocks=args.num_gpu_blocks or 512,
+                              **sizes)
+        return LLMEngine(config, model=LlamaModel.random(tiny, torch.float32, config.resolved_device()))
+    model = None if options["model"] == "embedded" else options["model"]
+    return LLMEngine(EngineConfig(model=model, num_gpu_blocks=args.num_gpu_blocks, **sizes))
+
+
+def calibrate(args) -> dict:
+    import torch
+
+    from llmlab.experiments import CostModel, Workload, run, simulate
+    from llmlab.experiments.result import step_durations
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = _options(args)
+    os.makedirs(args.out, exist_ok=True)
+    engine = build_engine(options, args)
+    vocab = engine.model_config.vocab_size
+    fit = Workload.poisson(options["fit_requests"], options["fit_rate"], options["fit_prompt_len"],
+                           options["fit_output_len"], seed=args.seed, vocab_size=vocab)
+    predict = Workload.gamma(options["predict_requests"], options["predict_rate"], options["predict_cv"],
+                             options["predict_prompt_len"], options["predict_output_len"], seed=args.seed + 1,
+                             vocab_size=vocab)
+    start = time.perf_counter()
+    fitted = run(fit, engine)
+    fit_seconds = time.perf_counter() - start
+    fitted.trace.meta.update(recorded_on=_device_name(engine), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                             workload=f"poisson {options['fit_requests']} requests at {options['fit_rate']}/s, "
+                                      f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}")
+    fitted.trace.save(os.path.join(args.out, "fit_trace.json"))
+    cost_model = CostModel.fit(fitted.trace)
+    cost_model.meta.update(recorded_on=fitted.trace.meta["recorded_on"], date=fitted.trace.meta["date"],
+                           recorded_with=f"llmlab bench calibrate --preset {args.preset}")
+    cost_model.save(os.path.join(args.out, "cost_model.json"))
+
+    start = time.perf_counter()
+    measured = run(predict, engine)
+    predict_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    simulated = simulate(predict, engine.config, cost_model)
+    simulate_seconds = time.perf_counter() - start
+    measured.save(os.path.join(args.out, "predict_measured.json"))
+    simulated.save(os.path.join(args.out, "predict_simulated.json"))
+
+    # the cost model alone, step by step on the second run: separates step-time error from queueing
+    step_errors = sorted(abs(cost_model.step_time(s.scheduled) - d) / d
+                         for s, d in zip(measured.trace.steps, step_durations(measured.trace)) if d and s.scheduled)
+    a, b = measured.summary(), simulated.summary()
+    report = {
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        "recorded_on": fitted.trace.meta["recorded_on"], "date": fitted.trace.meta["date"],
+        "cost_model": cost_model.to_dict(),
+        "seconds": {"fit_run": fit_seconds, "predict_run": predict_seconds, "simulate": simulate_seconds},
+        "predict_step_error": {"median": step_errors[len(step_errors) // 2],
+                               "p90": step_errors[int(len(step_errors) * 0.9)]} if step_errors else {},
+        "measured": a, "simulated": b,
+        "relative_error": {k: (b[k] - a[k]) / a[k] for k in REPORTED},
+    }
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _device_name(engine) -> str:
+    import torch
+
+    if engine.device.type == "cuda":
+        import triton
+
+        return f"{torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}, Triton {triton.__version__}"
+    return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def format_report(report: dict) -> str:
+    fit = report["cost_model"]["meta"]["fit"]
+    lines = [f"{report['recorded_on']}, {report['date']}",
+             f"cost model fitted on {fit['num_steps']} steps ({fit['num_outliers']} outliers dropped): "
+             f"median step error {fit['median_relative_error']:.1%}, p90 {fit['p90_relative_error']:.1%}",
+             f"on the second workload's steps: median {report['predict_step_error'].get('median', float('nan')):.1%}, "
+             f"p90 {report['predict_step_error'].get('p90', float('nan')):.1%}",
+             f"runs took {report['seconds']['fit_run']:.1f} s and {report['seconds']['predict_run']:.1f} s; "
+             f"the simulation {report['seconds']['simulate']:.2f} s",
+             f"{'':14} {'measured':>10} {'simulated':>10} {'error':>8}"]
+    for key in REPORTED:
+        lines.append(f"{key:14} {report['measured'][key]:>10.4g} {report['simulated'][key]:>10.4g} "
+                     f"{report['relative_error'][key]:>+8.1%}")
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    report = calibrate(args)
+    print(format_report(report))
+    print(f"wrote {args.out}")
