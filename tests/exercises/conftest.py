@@ -40,21 +40,29 @@ def ex(request, impl):
 
 @pytest.fixture(scope="session")
 def engine_llm(request):
-    """The embedded model with llmlab's torch kernels: tests/conftest.py's `llm` on a CPU,
-    the same on the GPU when there is one (compiled Triton kernels need GPU tensors)."""
+    """The embedded model with llmlab's torch kernels, on an engine of its own whose KV cache
+    the end-to-end tests fill with garbage (grading.poison_kv_cache). It shares the weights of
+    tests/conftest.py's `llm` on a CPU; on a GPU it loads them there (compiled Triton kernels
+    need GPU tensors)."""
+    from grading import grading_engine
+
     if DEVICE == "cpu":
-        return request.getfixturevalue("llm")
+        return grading_engine(request.getfixturevalue("llm"))
     import llmlab
 
-    return llmlab.LLM(device="cuda", dtype="float32", backend="torch", num_gpu_blocks=512)
+    return grading_engine(llmlab.LLM(device="cuda", dtype="float32", backend="torch", num_gpu_blocks=64))
 
 
 @pytest.fixture(scope="session")
 def reference_token_ids(engine_llm):
-    """Greedy token ids of grading.PROMPTS with llmlab's own kernels."""
+    """Greedy token ids of grading.PROMPTS with llmlab's own kernels, the cache poisoned as in
+    every end-to-end test; the same as with a clean cache, or the comparison would be unfair."""
     from grading import generate_token_ids
 
-    return generate_token_ids(engine_llm)
+    clean = generate_token_ids(engine_llm, poison=False)   # a new engine: its cache is all zeros
+    poisoned = generate_token_ids(engine_llm)
+    assert poisoned == clean, "llmlab's own kernels read KV slots no sequence owns: report this bug"
+    return poisoned
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -17,6 +17,8 @@ import llmlab
 from llmlab import kernels
 from llmlab.kernels import reference
 
+from diagnose import check_attention, check_same_text, fail
+
 # Triton decides at @triton.jit time whether to interpret: switch it on before any
 # exercise module is imported.
 kernels.enable_interpreter_if_no_cuda()
@@ -86,10 +88,27 @@ def paged_kv(seq_lens, block_size, num_kv_heads, head_dim, gen, spare_blocks=3):
     return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
 
 
-def assert_same_with_nans(actual, expected):
-    """Equal values, and NaN in exactly the same places."""
-    assert torch.equal(actual.isnan(), expected.isnan()), "NaN in different places"
-    assert torch.equal(actual.nan_to_num(0.0), expected.nan_to_num(0.0))
+def assert_same_with_nans(actual, expected, case="the cache"):
+    """Equal values, and NaN in exactly the same places; for a [num_blocks, block_size, ...]
+    cache, a mismatch names the slots (block * block_size + row) written wrongly."""
+    same = (actual.isnan() & expected.isnan()) | (actual == expected)
+    if same.all():
+        return
+    lines = []
+    if actual.dim() >= 3:
+        per_slot = ~same.flatten(2).all(-1).flatten()             # [num_blocks * block_size]
+        bad = per_slot.nonzero().flatten().tolist()
+        expected_empty = expected.flatten(2).isnan().all(-1).flatten()
+        stray = [s for s in bad if expected_empty[s]]
+        missing = [s for s in bad if not expected_empty[s]]
+        if stray:
+            lines.append(f"written but should stay untouched (NaN): slots {stray[:8]} -- a padding token "
+                         "(slot -1) wrote, or the slot arithmetic is off")
+        if missing:
+            lines.append(f"wrong or missing rows: slots {missing[:8]} -- token t goes to slot slot_mapping[t]: "
+                         "block slot // block_size, row slot % block_size, every kv head and dim of it")
+    lines.append(f"{(~same).sum().item()} of {same.numel()} values differ")
+    fail(case, lines)
 
 
 # ----------------------------------------------------------------------------- decode attention
@@ -99,33 +118,80 @@ def ragged(block_size):
     return [1, block_size - 1, block_size, block_size + 1, 7 * block_size // 2]
 
 
-def check_decode_attention(ex, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits=1, seed=0):
+def check_decode_attention(ex, case, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits=1,
+                           seed=0, hint=""):
+    """ex.decode_attention against the reference on one case; a mismatch fails with a report
+    of which sequences and heads differ and what that points to (diagnose.check_attention)."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, gen)
     q = randn_view(len(seq_lens), num_heads, head_dim, gen=gen)
-    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
-    actual = ex.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    actual = ex.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, num_splits)
     # The reference reads whole blocks and masks afterwards (0 * NaN = NaN), so it gets the
     # caches with the unowned slots zeroed; the kernel must never read them at all.
     expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
-                                          block_tables, seq_lens, scale)
-    torch.testing.assert_close(actual, expected, **FP32_TOL)
+                                          block_tables, lens, scale)
+    close = isinstance(actual, torch.Tensor) and actual.shape == expected.shape and \
+        torch.allclose(actual, expected, **FP32_TOL)
+    if not close and num_splits > 1:
+        one_split = ex.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, 1)
+        if one_split.shape == expected.shape and torch.allclose(one_split, expected, **FP32_TOL):
+            hint = (f"with num_splits=1 these inputs match, with {num_splits} they do not: check the split "
+                    "ranges (together they cover keys 0..seq_len-1 once; a split past the end weighs "
+                    "nothing) and the combine (weights exp(lse_i - max lse), normalised). " + hint)
+    case = f"{case!r} ({num_heads} query / {num_kv_heads} kv heads, head_dim {head_dim}, block_size " \
+           f"{block_size}, num_splits {num_splits}, seq_lens {seq_lens})"
+    check_attention(actual, expected, case=case, tol=FP32_TOL, seq_lens=seq_lens, block_size=block_size,
+                    num_kv_heads=num_kv_heads, hint=hint)
 
 
 # ----------------------------------------------------------------------------- end to end
 
-# Two prompts of different lengths in one batch: the first spans two KV blocks of 16.
+# Two prompts of different lengths in one batch (5 and 19 tokens): the second spans two KV
+# blocks of 16, and neither reaches a block's end while decoding, so every decode step
+# has a partial last block.
 PROMPTS = ["The capital of France is",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
-# Few tokens: under the interpreter every kernel call of the 30-layer model costs time.
-GREEDY = llmlab.SamplingParams(max_tokens=3, temperature=0.0)
+# Few tokens: under the interpreter a decode step of the 30-layer model takes seconds. The
+# poisoned cache (below), not the length, is what makes a careless kernel show here.
+GREEDY = llmlab.SamplingParams(max_tokens=5, temperature=0.0)
 
 
-def generate_token_ids(llm, **overrides):
-    """Greedy token ids for PROMPTS, with the given kernels plugged into the engine."""
+def grading_engine(llm):
+    """An engine of its own (64 blocks, no prefix cache) over `llm`'s loaded model, so that
+    filling its KV cache with garbage touches no other test's engine."""
+    config = llmlab.EngineConfig(device=DEVICE, dtype="float32", backend="torch", num_gpu_blocks=64,
+                                 swap_space=0, enable_prefix_caching=False)
+    engine = llmlab.LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer)
+    return llmlab.LLM.from_engine(engine)
+
+
+def poison_kv_cache(llm) -> bool:
+    """Fill every KV slot with large random values. The engine writes a token's K/V before
+    any attention reads it, so a correct kernel never sees these; one that reads a slot past a
+    sequence's end (a missing length mask) gets garbage keys with real weight, and the text
+    changes at once. Returns False when the cache is not a float tensor it can fill."""
+    cache = getattr(getattr(llm.engine, "kv_cache", None), "device", None)
+    if not isinstance(cache, torch.Tensor) or not cache.is_floating_point():
+        return False
+    cache.normal_(0.0, 4.0, generator=torch.Generator(cache.device).manual_seed(0))
+    return True
+
+
+def generate_token_ids(llm, poison=True, **overrides):
+    """Greedy token ids for PROMPTS, with the given kernels plugged into the engine and
+    (poison=True) garbage in every KV slot no sequence has written."""
+    if poison:
+        poison_kv_cache(llm)
     with kernels.override(**overrides):
         return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+def check_end_to_end(llm, reference_token_ids, kernel: str, implementation) -> None:
+    """The model with `implementation` as llmlab's `kernel`: the same greedy text, or a report."""
+    actual = generate_token_ids(llm, **{kernel: implementation})
+    check_same_text(actual, reference_token_ids, tokenizer=llm.tokenizer, prompts=PROMPTS, kernel=kernel)
 
 
 # ----------------------------------------------------------------------------- smoke calls

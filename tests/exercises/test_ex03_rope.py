@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from grading import DEVICE, FP32_TOL, generate_token_ids, randn, randn_view
+from diagnose import check_rows
+from grading import DEVICE, FP32_TOL, check_end_to_end, randn, randn_view
 from llmlab.kernels import reference
 
 EXERCISE = "ex03_rope"
@@ -22,8 +23,11 @@ def test_matches_reference(ex, num_heads, num_kv_heads, head_dim, theta, scaling
     actual = ex.rope(q, k, positions, theta, scaling)
     expected = reference.rope(q, k, positions, theta, scaling)
     assert isinstance(actual, tuple) and len(actual) == 2, "return (q_rotated, k_rotated)"
-    torch.testing.assert_close(actual[0], expected[0], **FP32_TOL)
-    torch.testing.assert_close(actual[1], expected[1], **FP32_TOL)
+    for name, got, want in (("q", actual[0], expected[0]), ("k", actual[1], expected[1])):
+        check_rows(got, want, case=f"rotated {name}, {num_heads}/{num_kv_heads} heads, head_dim {head_dim}, "
+                   f"{'llama3 scaling' if scaling else 'plain'}, positions {positions.tolist()}", tol=FP32_TOL,
+                   hint="rotate-half layout: pair dim i with dim i + head_dim/2; frequency theta^(-2i/head_dim)"
+                   + (", scaled by LLaMA-3's rule for long wavelengths" if scaling else ""))
 
 
 def test_strided_views_and_empty(ex):
@@ -33,13 +37,14 @@ def test_strided_views_and_empty(ex):
     before = qkv.clone()
     positions = torch.arange(4, device=DEVICE)
     actual, expected = ex.rope(q, k, positions, 10000.0), reference.rope(q, k, positions, 10000.0)
-    torch.testing.assert_close(actual[0], expected[0], **FP32_TOL)
-    torch.testing.assert_close(actual[1], expected[1], **FP32_TOL)
+    for name, got, want in (("q", actual[0], expected[0]), ("k", actual[1], expected[1])):
+        check_rows(got, want, case=f"rotated {name} from views into one [4, 10, 64] projection", tol=FP32_TOL,
+                   hint="q and k are not contiguous here: use their strides (q.stride(0) is 10 * 64)")
     assert torch.equal(qkv, before), "rope must return new tensors, not rotate its inputs in place"
     empty_q, empty_k = ex.rope(q[:0], k[:0], positions[:0], 10000.0)
     assert empty_q.shape == (0, 6, 64) and empty_k.shape == (0, 2, 64)
 
 
 def test_end_to_end(ex, engine_llm, reference_token_ids):
-    """The embedded model, every rotary embedding on your kernel: the same greedy tokens."""
-    assert generate_token_ids(engine_llm, rope=ex.rope) == reference_token_ids
+    """The embedded model, every rotary embedding on your kernel: the same greedy text."""
+    check_end_to_end(engine_llm, reference_token_ids, "rope", ex.rope)

@@ -1,24 +1,37 @@
 """Exercise 07, flash-decoding: split the context, combine the parts; for any number of
-splits the same result as `llmlab.kernels.reference.decode_attention`."""
+splits the same result as `llmlab.kernels.reference.decode_attention`.
+
+Each case isolates one mistake; a failing case with several splits also says whether the
+same inputs pass with one split (then the splitting or the combine is wrong)."""
 import pytest
 
-from grading import check_decode_attention, generate_token_ids, ragged
+from grading import check_decode_attention, check_end_to_end, ragged
 
 EXERCISE = "ex07_flash_decoding"
 
+# (num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits, what the case isolates)
+CASES = [
+    pytest.param(2, 2, 64, 16, [16, 48], 1, "one split: PagedAttention v1 (exercise 06) inside your kernel",
+                 id="one-split"),
+    pytest.param(2, 2, 64, 16, [64, 128], 2, "two splits of whole blocks: the split ranges and the combine",
+                 id="two-splits-whole-blocks"),
+    pytest.param(2, 2, 64, 16, [1, 15, 17, 56], 2, "two splits, the last block partial: the mask in the "
+                 "last split", id="two-splits-partial-last-block"),
+    pytest.param(2, 2, 64, 16, [100, 37], 3, "three splits whose boundaries fall inside blocks",
+                 id="three-splits"),
+    pytest.param(9, 3, 64, 16, ragged(16), 2, "SmolLM2's grouped-query attention with splits: which kv head "
+                 "each query head reads", id="gqa-9-3-ragged"),
+    pytest.param(8, 1, 128, 32, ragged(32), 3, "8 query heads on one kv head, head_dim 128, blocks of 32",
+                 id="gqa-8-1-head-dim-128"),
+    pytest.param(4, 1, 64, 16, [1, 3, 100], 7, "more splits than keys: empty splits must weigh nothing "
+                 "(their log-sum-exp is -inf, not NaN)", id="more-splits-than-keys"),
+]
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),    # SmolLM2's grouped-query attention
-    (8, 1, 128, 32),   # 8 query heads share one kv head; Llama's head_dim
-])
-def test_matches_reference(ex, num_heads, num_kv_heads, head_dim, block_size, num_splits):
-    check_decode_attention(ex, num_heads, num_kv_heads, head_dim, block_size, ragged(block_size), num_splits)
 
-
-def test_more_splits_than_keys(ex):
-    """Splits past the end of a short context are empty and must weigh nothing."""
-    check_decode_attention(ex, 4, 1, 64, 16, [1, 3, 100], num_splits=7, seed=1)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens,num_splits,checks", CASES)
+def test_case(ex, request, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits, checks):
+    check_decode_attention(ex, request.node.callspec.id, num_heads, num_kv_heads, head_dim, block_size,
+                           seq_lens, num_splits, hint=f"this case checks {checks}")
 
 
 def test_end_to_end(ex, engine_llm, reference_token_ids):
@@ -27,4 +40,4 @@ def test_end_to_end(ex, engine_llm, reference_token_ids):
     def decode_attention_in_two_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
         return ex.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, 2)
 
-    assert generate_token_ids(engine_llm, decode_attention=decode_attention_in_two_splits) == reference_token_ids
+    check_end_to_end(engine_llm, reference_token_ids, "decode_attention", decode_attention_in_two_splits)

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from llmlab.cache.block_manager import BlockManager
+from llmlab import LLMEngine, Recorder
 from llmlab.config import EngineConfig
 from llmlab.request import Request, RequestStatus
 from llmlab.sampling import SamplingParams
@@ -14,19 +15,21 @@ EXERCISE = "ex10_chunked_prefill"
 
 
 @pytest.mark.parametrize("num_decodes,prefill_remaining,token_budget,max_num_seqs,expected", [
-    (3, [1000, 50], 512, 8, (3, [(0, 509)])),            # SARATHI: chunk = budget - decodes
-    (2, [100, 300, 50], 256, 8, (2, [(0, 100), (1, 154)])),  # a short prompt fits; the next is chunked
-    (1, [511, 5], 512, 8, (1, [(0, 511)])),               # exactly full: nothing for the second prompt
-    (0, [7, 7, 7], 10, 8, (0, [(0, 7), (1, 3)])),         # no decodes: prompts take the whole budget
-    (10, [5], 8, 64, (8, [])),                            # more decodes than budget: oldest first
-    (5, [3], 100, 3, (3, [])),                            # more decodes than sequence slots
-    (3, [10, 10, 10], 1000, 4, (3, [(0, 10)])),           # max_num_seqs caps the prompts too
-    (0, [], 512, 8, (0, [])),                             # nothing to do
-    (4, [], 512, 8, (4, [])),                             # decodes only
+    pytest.param(3, [1000, 50], 512, 8, (3, [(0, 509)]), id="chunk-is-budget-minus-decodes"),   # SARATHI
+    pytest.param(2, [100, 300, 50], 256, 8, (2, [(0, 100), (1, 154)]), id="short-prompt-fits-next-chunked"),
+    pytest.param(1, [511, 5], 512, 8, (1, [(0, 511)]), id="exactly-full-nothing-for-the-next"),
+    pytest.param(0, [7, 7, 7], 10, 8, (0, [(0, 7), (1, 3)]), id="no-decodes-prompts-take-the-budget"),
+    pytest.param(10, [5], 8, 64, (8, []), id="more-decodes-than-budget"),
+    pytest.param(5, [3], 100, 3, (3, []), id="more-decodes-than-max-num-seqs"),
+    pytest.param(3, [10, 10, 10], 1000, 4, (3, [(0, 10)]), id="max-num-seqs-caps-prompts-too"),
+    pytest.param(0, [], 512, 8, (0, []), id="nothing-to-do"),
+    pytest.param(4, [], 512, 8, (4, []), id="decodes-only"),
 ])
 def test_sarathi_cases(ex, num_decodes, prefill_remaining, token_budget, max_num_seqs, expected):
-    decodes, chunks = ex.schedule_chunks(num_decodes, prefill_remaining, token_budget, max_num_seqs)
-    assert (decodes, [tuple(chunk) for chunk in chunks]) == expected
+    decodes, chunks = ex.schedule_chunks(num_decodes, list(prefill_remaining), token_budget, max_num_seqs)
+    got = (decodes, [tuple(chunk) for chunk in chunks])
+    assert got == expected, (f"schedule_chunks({num_decodes}, {prefill_remaining}, token_budget={token_budget}, "
+                             f"max_num_seqs={max_num_seqs}) returned {got}, expected {expected}")
 
 
 def test_properties_on_random_inputs(ex):
@@ -59,7 +62,8 @@ def test_long_prompt_never_stalls_decodes(ex):
     assert steps == 4  # ceil(1000 / (256 - 4))
 
 
-@pytest.mark.parametrize("token_budget,max_num_seqs", [(64, 4), (256, 8), (40, 64)])
+@pytest.mark.parametrize("token_budget,max_num_seqs", [(64, 4), (256, 8), (40, 64)],
+                         ids=["budget-64-seqs-4", "budget-256-seqs-8", "budget-40-seqs-64"])
 def test_same_schedule_as_llmlab(ex, token_budget, max_num_seqs):
     """Drive llmlab's Scheduler (with blocks to spare, so that only the policy decides) and
     ask your function the same question before every step."""
@@ -97,3 +101,55 @@ def test_same_schedule_as_llmlab(ex, token_budget, max_num_seqs):
                     scheduler.remove(item.request)
                     item.request.status = RequestStatus.FINISHED
     pytest.fail("the workload did not finish in 200 steps")
+
+
+# Six short prompts at once and few sequence slots: the prompts compete for slots, not for
+# tokens, so a policy that forgets max_num_seqs for prompts schedules too many. The second
+# case also cuts prompts into chunks.
+@pytest.mark.parametrize("token_budget,max_num_seqs", [(512, 2), (12, 3)],
+                         ids=["max-num-seqs-binds", "both-bind"])
+def test_same_schedule_as_the_engine(ex, engine_llm, token_budget, max_num_seqs):
+    """The real engine with the embedded model: before every step, your function gets the
+    state the trace shows, and must choose what the engine ran."""
+    config = EngineConfig(device=str(engine_llm.engine.device), dtype="float32", backend="torch",
+                          num_gpu_blocks=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget,
+                          enable_chunked_prefill=True)
+    engine = LLMEngine(config, model=engine_llm.engine.model, tokenizer=engine_llm.tokenizer)
+    prompts = ["Hi", "The capital of France is", "One, two, three,", "Red, green and",
+               "Once upon a time there was", "Water boils at"]
+    recorder = Recorder()
+    engine.hooks.attach(recorder)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=2 + i % 3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace = recorder.trace
+    order = [a.request_id for a in trace.added]                      # arrival order
+    prompt_len = {a.request_id: a.num_prompt_tokens for a in trace.added}
+    computed = dict.fromkeys(order, 0)
+    running, finished = [], set()
+    assert any(len(s.scheduled) == max_num_seqs and s.waiting for s in trace.steps), \
+        "this workload should fill every sequence slot while prompts wait"
+    for record in trace.steps:
+        active = [r for r in order if r not in finished]
+        decoding = [r for r in active if r in running and computed[r] >= prompt_len[r]]
+        prefilling = [r for r in active if r in running and computed[r] < prompt_len[r]] + \
+                     [r for r in active if r not in running]
+        remaining = [prompt_len[r] - computed[r] for r in prefilling]
+        decodes, chunks = ex.schedule_chunks(len(decoding), list(remaining), token_budget, max_num_seqs)
+        engine_decodes = [i.request_id for i in record.scheduled if i.kind == "decode"]
+        engine_chunks = [(prefilling.index(i.request_id), i.num_tokens) for i in record.scheduled
+                         if i.kind == "prefill"]
+        question = (f"step {record.step}: schedule_chunks({len(decoding)}, {remaining}, token_budget={token_budget}, "
+                    f"max_num_seqs={max_num_seqs})")
+        hint = ""
+        if decodes + len(chunks) > max_num_seqs:
+            hint = " -- that is more sequences than max_num_seqs: every prompt chunk takes a sequence slot too"
+        assert (decodes, [tuple(c) for c in chunks]) == (len(engine_decodes), engine_chunks), \
+            f"{question} returned {(decodes, chunks)}; the engine ran {(len(engine_decodes), engine_chunks)}{hint}"
+        for item in record.scheduled:
+            computed[item.request_id] = item.start_position + item.num_tokens
+            if item.request_id not in running:
+                running.append(item.request_id)
+        finished |= set(record.finished)
+        running = [r for r in running if r not in finished]
