@@ -2,7 +2,11 @@
 (the architecture, read from a HF `config.json`)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import inspect
+import re
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -18,20 +22,22 @@ class EngineConfig:
     backend: str = "auto"               # kernels: "reference" | "torch" | "triton"; "auto" follows the device
     block_size: int = 16                # tokens per KV block
     num_gpu_blocks: int | None = None   # None = size from memory
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9 # share of GPU memory for weights, activations and KV cache
     cpu_kv_cache_gib: float = 1.0       # KV cache size on a CPU device when num_gpu_blocks is None
     swap_space: float = 0.5             # GiB of host KV blocks for preemption by swap
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64              # requests running at once (a step's batch)
+    max_num_batched_tokens: int | None = None   # tokens per step; None = 2048 on a GPU, 512 on a CPU
     max_model_len: int | None = None    # None = the model's context length
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True # long prompts run in chunks beside decodes (SARATHI)
+    enable_prefix_caching: bool = False # reuse the KV blocks of a prompt prefix seen before
     preemption_mode: str = "recompute"  # "swap" | "recompute"
     enforce_eager: bool = False         # True = no CUDA graphs for decode steps
-    seed: int = 0
+    seed: int = 0                       # for requests that sample without their own seed
     tensor_parallel_size: int = 1       # ranks (GPUs) the model is sharded over, Megatron-style
 
     def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_token_budget(self.resolved_device())
         checks = [
             ("dtype", self.dtype in ("auto", "float32", "float16", "bfloat16"),
              "one of auto, float32, float16, bfloat16"),
@@ -150,3 +156,74 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=window,
         )
+
+
+# A step's time grows with its tokens. On a GPU 2048 tokens take tens of milliseconds; on a
+# laptop CPU (~1 ms per token for the 135M model, more on long contexts) they take seconds,
+# and every running stream waits for the whole step. 512 keeps a CPU step near a second
+# while a long prompt is prefilled (BENCHMARKS.md, "Server").
+GPU_TOKEN_BUDGET = 2048
+CPU_TOKEN_BUDGET = 512
+
+
+def default_token_budget(device: torch.device) -> int:
+    return GPU_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET
+
+
+# ---- command-line flags, generated from EngineConfig's fields ---------------------------
+# Every `llmlab` command that builds an engine gets the same flags, with vLLM's spelling
+# (--max-num-seqs, --enable-prefix-caching / --no-enable-prefix-caching); a new field
+# becomes a flag with no edit here. Its help is the comment beside the field.
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"]}
+
+
+def _field_comments() -> dict[str, str]:
+    """{field name: the comment on its line (and on comment-only lines right below)}."""
+    try:
+        lines = inspect.getsource(EngineConfig).splitlines()
+    except (OSError, TypeError):    # no source (a frozen install): flags without help
+        return {}
+    comments, last = {}, None
+    for line in lines:
+        if field_line := re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line):
+            last = field_line.group(1)
+            comments[last] = field_line.group(2) or ""
+        elif last and (more := re.match(r"\s+#\s*(.*)$", line)):
+            comments[last] += " " + more.group(1)
+        else:
+            last = None
+    return comments
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None,
+                         exclude: tuple[str, ...] = ()) -> None:
+    """Add one flag per EngineConfig field (an argument group "engine"). A flag not given
+    leaves its field at EngineConfig's default, or at `defaults[name]` when given (a
+    benchmark may want a larger batch); `engine_kwargs(args)` collects what was set."""
+    defaults = defaults or {}
+    types = typing.get_type_hints(EngineConfig)
+    comments = _field_comments()
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
+    parser.set_defaults(engine_flags=tuple(f.name for f in fields))   # what engine_kwargs reads
+    for f in fields:
+        default = defaults.get(f.name, f.default)
+        kind = next((t for t in typing.get_args(types[f.name]) if t is not type(None)), types[f.name])
+        help = comments.get(f.name, "")
+        help = f"{help} (default: {default})" if help else f"default: {default}"
+        names = [f"--{f.name.replace('_', '-')}", *FLAG_ALIASES.get(f.name, [])]
+        # default None: "not given", so engine_kwargs leaves EngineConfig's own default alone
+        keep = defaults.get(f.name)
+        if kind is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=keep, help=help.replace("%", "%%"))
+        else:
+            group.add_argument(*names, dest=f.name, type=kind, default=keep, metavar=kind.__name__.upper(),
+                               help=help.replace("%", "%%"))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields set on the command line (or by `add_engine_arguments`'s
+    defaults): only flags it added, so a command's own --seed or --model is left alone."""
+    return {name: getattr(args, name) for name in getattr(args, "engine_flags", ())
+            if getattr(args, name, None) is not None}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -197,7 +198,36 @@ BAD_INPUTS = {
     "no messages": ("/v1/chat/completions", body_of({"messages": []}), 400, "messages", None),
     "unknown model": ("/v1/completions", body_of({"model": "gpt-9", "prompt": "hi"}), 404, "model", "model_not_found"),
     "oversized body": ("/v1/completions", body_of({"prompt": "a" * (2 << 20)}), 413, None, "request_too_large"),
+    # bodies Python's json module accepts and that crashed later (issue 18): a 400, not a 500
+    "lone surrogate in a prompt": ("/v1/completions", b'{"prompt": "abc\\ud800"}', 400, None, None),
+    "lone surrogate in a message": ("/v1/chat/completions",
+                                    b'{"messages": [{"role": "user", "content": "\\udc00 hi"}]}', 400, None, None),
+    "JSON nested 5k deep": ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, None),
+    "JSON nested 100k deep, in an ignored field": (
+        "/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, None),
+    "a 5,000-digit integer": ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, None),
+    "temperature Infinity": ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', 400, "temperature", None),
+    "temperature 1e999": ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", None),
+    "top_p NaN": ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', 400, "top_p", None),
+    "stream_options with an unknown field": ("/v1/completions", body_of(
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "bogus": 1}}), 400, "stream_options", None),
+    "stream_options wrong type": ("/v1/completions", body_of(
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}), 400, "stream_options", None),
+    "stream_options without stream": ("/v1/completions", body_of(
+        {"prompt": "hi", "stream_options": {"include_usage": True}}), 400, "stream_options", None),
+    "max_tokens beyond the context": ("/v1/completions", body_of({"prompt": "hi", "max_tokens": 100_000}),
+                                      400, "max_tokens", "context_length_exceeded"),
+    "max_completion_tokens beyond the context": ("/v1/chat/completions", body_of(
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100_000}),
+        400, "max_completion_tokens", "context_length_exceeded"),
+    "max_completion_tokens < 1": ("/v1/chat/completions", body_of(
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}), 400, "max_completion_tokens", None),
+    "user message without content": ("/v1/chat/completions", body_of(
+        {"messages": [{"role": "user", "content": None}]}), 400, "messages", None),
 }
+
+# a Python exception's name in a message means internal text leaked to the client
+EXCEPTION_NAME = re.compile(r"\b[A-Z]\w*(Error|Exception)\b")
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
@@ -208,15 +238,17 @@ def test_bad_input_gets_an_openai_error(server, name):
         assert response.status_code == status, response.text
         error = response.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
+        assert not EXCEPTION_NAME.search(error["message"]), error["message"]
         assert (error["param"], error["code"]) == (param, code)
         assert h.get("/health").status_code == 200
+        assert h.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
 
 
 def test_more_errors(server, client):
     with http(server) as h:
         # an oversized body sent in chunks (no Content-Length) is cut off while it arrives
         chunks = (b'{"prompt": "' + b"a" * 65536 for _ in range(32))
-        assert h.post("/v1/completions", content=chunks).status_code == 413
+        assert h.post("/v1/completions", content=chunks, headers={"Content-Type": "application/json"}).status_code == 413
         assert h.get("/v1/nothing-here").json()["error"]["message"] == "Not Found"
         assert h.get("/v1/completions").status_code == 405
         assert h.get("/health").status_code == 200
@@ -238,8 +270,13 @@ def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(served, 
         raise RuntimeError("simulated bug in a step")
 
     engine.step = broken_step
-    with pytest.raises(openai.InternalServerError, match="simulated bug"):
+    failed = 'llmlab_requests_failed_total{status="500"}'
+    before = metrics(server).get(failed, 0)
+    with pytest.raises(openai.InternalServerError) as raised:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    error = raised.value.body
+    assert error["type"] == "server_error" and "simulated" not in error["message"]   # the log has it
+    assert metrics(server)[failed] == before + 1
     wait_until_idle(server)
     assert httpx.get(f"{server}/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
@@ -285,3 +322,46 @@ def test_serving_benchmark_runs_inside_an_event_loop(server):
     (result,) = asyncio.run(notebook_cell())["results"]
     assert result["completed"] == 3 and result["failed"] == 0
     assert result["mean_output_tokens"] == sum(p.output_len for p in prompts) / 3
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_a_body_not_declared_as_json_gets_415(server, content_type):
+    """What a web page may send cross-site without a CORS preflight is refused."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    before = metrics(server).get('llmlab_requests_rejected_total{status="415"}', 0)
+    with http(server) as h:
+        response = h.post("/v1/completions", content=body_of({"prompt": "hi", "max_tokens": 1}), headers=headers)
+        assert response.status_code == 415
+        assert response.json()["error"]["code"] == "unsupported_media_type"
+        ok = h.post("/v1/completions", content=body_of({"prompt": "hi", "max_tokens": 1}),
+                    headers={"Content-Type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
+    assert metrics(server)['llmlab_requests_rejected_total{status="415"}'] == before + 1
+
+
+def test_assistant_turn_with_null_content_is_an_empty_turn(client, llm):
+    """OpenAI allows `content: null` on an assistant message (a tool-call turn)."""
+    def conversation(content):
+        return [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": content},
+                {"role": "user", "content": "What is 2 + 2?"}]
+    expected = llm.chat(conversation(""), llmlab.SamplingParams(**GREEDY))[0]
+    response = client.chat.completions.create(model=MODEL, messages=conversation(None), **GREEDY)
+    assert response.choices[0].message.content == expected.text
+
+
+def test_model_lookup_and_no_docs_ui(server, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    # FastAPI's /docs and /redoc pages load their scripts from a CDN: not served
+    assert httpx.get(f"{server}/docs").status_code == httpx.get(f"{server}/redoc").status_code == 404
+    assert "/v1/completions" in httpx.get(f"{server}/openapi.json").json()["paths"]
+
+
+def test_client_errors_are_counted_and_the_rest_keeps_working(server, client):
+    rejected = 'llmlab_requests_rejected_total{status="400"}'
+    before = metrics(server).get(rejected, 0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert metrics(server)[rejected] == before + 1

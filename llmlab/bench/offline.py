@@ -9,6 +9,8 @@ import time
 
 
 def add_arguments(parser) -> None:
+    from llmlab.config import add_engine_arguments
+
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2); "
                         "'random-llama3-8b' = random bf16 weights in the Llama-3-8B shape")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -16,17 +18,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="[min-len, max-len] unless fixed below")
     parser.add_argument("--input-len", type=int, default=None, help="fixed input length")
     parser.add_argument("--output-len", type=int, default=None, help="fixed output length")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--backend", default="auto")
     parser.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hf-num-requests", type=int, default=None,
                         help="time HF on only the first N requests (it is slow); default all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    # engine flags from EngineConfig (a bigger batch than the engine's default); --seed above is the workload's
+    add_engine_arguments(parser, defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+                         exclude=("model", "seed"))
 
 
 def workload(args, vocab_size: int):
@@ -43,12 +43,11 @@ def workload(args, vocab_size: int):
 def build_llm(args):
     import llmlab
     from llmlab.bench.single_forward import random_engine
+    from llmlab.config import engine_kwargs
 
     if args.model == "random-llama3-8b":
         return random_engine(args)[0]
-    return llmlab.LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
-                      max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+    return llmlab.LLM(args.model, **engine_kwargs(args))
 
 
 def run_llmlab(llm, requests) -> dict:

@@ -1,7 +1,7 @@
 """The engine loop behind the server: one thread owns the engine, many handlers share it.
 
-`LLMEngine` is not thread-safe, so exactly one thread ever touches it (and its tokenizer):
-the engine thread. Handlers run on the asyncio event loop and talk to it in two ways:
+`LLMEngine` is not thread-safe, so exactly one thread ever touches it: the engine thread.
+Handlers run on the asyncio event loop and talk to it in two ways:
 
   handler -> engine thread: a command (add a request, abort one) is appended to a queue;
       the engine thread runs queued commands between steps, then `engine.step()` while any
@@ -12,11 +12,17 @@ the engine thread. Handlers run on the asyncio event loop and talk to it in two 
 Requests from every client meet in the same `engine.step()`, so they are batched together
 (iteration-level scheduling, Orca) without the handlers knowing about each other. Because
 steps run off the event loop, a slow step never delays accepting a connection.
+
+Prompts are tokenized (and chat templates applied) on a third thread, the tokenizer
+thread, and reach the engine as token ids: a 900 KB prompt takes the tokenizer ~0.6 s,
+which on the engine thread would stall every stream. HF's tokenizer releases the GIL
+while it encodes, so the engine thread keeps stepping meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -26,11 +32,35 @@ from typing import AsyncIterator
 from jinja2 import TemplateError
 
 from llmlab.engine.engine import LLMEngine
-from llmlab.request import RequestOutput
+from llmlab.request import Request, RequestOutput
 from llmlab.sampling import SamplingParams
 from llmlab.server.metrics import ServerMetrics
+from llmlab.server.protocol import APIError
 
 logger = logging.getLogger("llmlab.server")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or later",
+                    type="server_error")
+
+
+def engine_failed() -> APIError:    # the details go to the log, not to the client
+    return APIError(500, "the engine failed while running this request", type="server_error")
+
+
+def tokenize(engine: LLMEngine, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+    """Token ids of a prompt (text or ids) or of chat messages (the model's chat template).
+    The server's one place for this: it runs on the tokenizer thread."""
+    if messages is None and not isinstance(prompt, str):
+        return list(prompt)
+    if engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer; send token ids as the prompt")
+    try:
+        return (engine.tokenizer.apply_chat_template(messages) if messages is not None
+                else engine.tokenizer.encode(prompt))
+    except TemplateError as err:   # e.g. a template that only allows alternating roles
+        raise ValueError(f"chat template: {err}") from None
 
 
 @dataclass(eq=False)
@@ -38,17 +68,15 @@ class RequestStream:
     """A handler's end of one request."""
     request_id: str
     engine: "AsyncEngine"
-    accepted: asyncio.Future         # -> the prompt's token ids, or add_request's error
+    prompt_token_ids: list[int]
+    accepted: asyncio.Future         # done once the engine took the request, or with its error
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | Exception
     arrival_time: float = field(default_factory=time.perf_counter)
     finished: bool = False           # (as far as the reader knows)
     # touched only by the engine thread (for metrics)
+    request: Request | None = None   # the engine's request (its num_preemptions)
     num_tokens_seen: int = 0
     last_token_time: float = 0.0
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.accepted.result()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes. When several are queued (a slow reader)
@@ -78,20 +106,24 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
         self.engine = engine
-        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.kv_stats = engine.kv_stats()     # refreshed by the engine thread after every step
+        self.metrics = metrics if metrics is not None else ServerMetrics(lambda: self.kv_stats)
+        self.draining = False                 # shutting down: no new requests
         self._commands = collections.deque()  # functions the engine thread runs between steps
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}   # unfinished requests (engine thread only)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # one tokenizer thread: requests are tokenized one at a time, in arrival order
+        self._tokenizer_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- the event loop's side -----------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._stopping = False
+        self._stopping = self.draining = False
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmlab-tokenizer")
         self._thread = threading.Thread(target=self._run, name="llmlab-engine", daemon=True)
         self._thread.start()
 
@@ -105,14 +137,38 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._tokenizer_thread is not None:
+            self._tokenizer_thread.shutdown(cancel_futures=True)
+            self._tokenizer_thread = None
 
-    async def add_request(self, request_id: str, params: SamplingParams,
-                          prompt: str | list[int] | None = None,
-                          messages: list[dict] | None = None) -> RequestStream:
-        """Queue a prompt (text, token ids, or chat messages for the model's chat template).
-        Returns once the engine has accepted it; raises ValueError if it was refused."""
-        stream = RequestStream(request_id, self, self._loop.create_future())
-        self._call_soon(self._add, stream, params, prompt, messages)
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams) + len(self._commands)   # (commands: requests not yet added)
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown: refuse new requests (503), give running ones up to `timeout`
+        seconds to finish, then end the rest with a 503 "shutting down" error (a stream
+        sends it as its last event, then [DONE])."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_unfinished:
+            logger.warning("shutdown: ending %d unfinished requests", self.num_unfinished)
+        self._call_soon(self._fail_all, shutting_down())
+
+    async def tokenize(self, prompt: str | list[int] | None = None,
+                       messages: list[dict] | None = None) -> list[int]:
+        """`tokenize(...)` on the tokenizer thread; ValueError for what cannot be tokenized."""
+        return await self._loop.run_in_executor(self._tokenizer_thread, tokenize, self.engine, prompt, messages)
+
+    async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a tokenized prompt. Returns once the engine has accepted it; raises
+        ValueError if it was refused (the client's fault), APIError 503 while shutting down."""
+        if self.draining or self._stopping:
+            raise shutting_down()
+        stream = RequestStream(request_id, self, token_ids, self._loop.create_future())
+        self._call_soon(self._add, stream, params)
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -146,46 +202,43 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as err:    # a bug in the engine: fail its requests, keep serving
+            except Exception:    # a bug in the engine: fail its requests, keep serving
                 logger.exception("engine.step() failed; aborting %d requests", len(self._streams))
-                self._fail_all(err)
+                self._fail_all(engine_failed())
                 continue
             now = time.perf_counter()
             for output in outputs:
                 self._deliver(output, now)
             self.kv_stats = self.engine.kv_stats()
-        self._fail_all(RuntimeError("the server is shutting down"))
+        self._fail_all(shutting_down())
 
-    def _add(self, stream: RequestStream, params: SamplingParams, prompt, messages) -> None:
-        engine = self.engine
+    def _add(self, stream: RequestStream, params: SamplingParams) -> None:
+        if self._stopping:    # queued before a shutdown ended the others
+            self._resolve(stream.accepted, error=shutting_down())
+            return
         try:
-            if messages is not None or isinstance(prompt, str):
-                if engine.tokenizer is None:
-                    raise ValueError("this model has no tokenizer; send token ids as the prompt")
-                token_ids = (engine.tokenizer.apply_chat_template(messages) if messages is not None
-                             else engine.tokenizer.encode(prompt))
-            else:
-                token_ids = list(prompt)
-            engine.add_request(token_ids, params, stream.request_id)
+            self.engine.add_request(stream.prompt_token_ids, params, stream.request_id)
         except ValueError as err:     # the client's fault: a 400
             self._resolve(stream.accepted, error=err)
             return
-        except TemplateError as err:  # e.g. a template that only allows alternating roles
-            self._resolve(stream.accepted, error=ValueError(f"chat template: {err}"))
-            return
-        except Exception as err:
+        except Exception:
             logger.exception("adding request %s failed", stream.request_id)
-            self._resolve(stream.accepted, error=err)
+            self._resolve(stream.accepted, error=engine_failed())
             return
+        stream.request = self.engine.requests.get(stream.request_id)
         self._streams[stream.request_id] = stream
-        self.metrics.on_added(len(token_ids))
-        self._resolve(stream.accepted, token_ids)
+        self.metrics.on_added(len(stream.prompt_token_ids))
+        self._resolve(stream.accepted)
+
+    def _finished(self, stream: RequestStream, finish_reason: str, now: float) -> None:
+        num_preemptions = stream.request.num_preemptions if stream.request is not None else 0
+        self.metrics.on_finished(finish_reason, now - stream.arrival_time, num_preemptions)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self.engine.abort(request_id)
-            self.metrics.on_finished("abort", time.perf_counter() - stream.arrival_time)
+            self._finished(stream, "abort", time.perf_counter())
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -199,10 +252,10 @@ class AsyncEngine:
             stream.num_tokens_seen, stream.last_token_time = stream.num_tokens_seen + num_new, now
         if output.finished:
             del self._streams[output.request_id]
-            self.metrics.on_finished(output.finish_reason, now - stream.arrival_time)
+            self._finished(stream, output.finish_reason, now)
         self._put(stream, output)
 
-    def _fail_all(self, err: Exception) -> None:
+    def _fail_all(self, err: APIError) -> None:
         for request_id, stream in list(self._streams.items()):
             try:
                 self.engine.abort(request_id)
@@ -211,14 +264,14 @@ class AsyncEngine:
             self._put(stream, err)
         self._streams.clear()
 
-    def _resolve(self, future: asyncio.Future, token_ids=None, error: Exception | None = None) -> None:
+    def _resolve(self, future: asyncio.Future, error: Exception | None = None) -> None:
         def resolve():
             if future.done():     # the handler was cancelled meanwhile (it aborts the request)
                 return
             if error is not None:
                 future.set_exception(error)
             else:
-                future.set_result(token_ids)
+                future.set_result(None)
         self._on_loop(resolve)
 
     def _put(self, stream: RequestStream, item) -> None:

@@ -2,12 +2,15 @@
 
 Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`
 and `ignore_eos`), so the official `openai` client and tools built on it work unchanged.
-Values are checked once, by `SamplingParams`; pydantic only checks types (strictly: the
-string "5" is not a number here, as in OpenAI's own API).
+A body is parsed and validated in one pass by pydantic's own JSON parser
+(`model_validate_json`): it refuses what Python's `json` module would let through to
+crash later (lone surrogates like "\\ud800", nesting thousands deep, 5,000-digit numbers,
+`Infinity` and `NaN`), and every error names the field it is about (`loc`). Types are
+strict (the string "5" is not a number, as in OpenAI's own API); values are checked once,
+by `SamplingParams`.
 """
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Literal
@@ -39,13 +42,19 @@ UNSUPPORTED_FIELDS = {
 }
 
 
+# strict types, no Infinity/NaN; unknown top-level fields are ignored (as vLLM does)
+STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")   # a typo here is a 400, as in OpenAI
     include_usage: bool = False
+    include_obfuscation: bool = True   # OpenAI pads chunks against length side channels; accepted, unused
 
 
 class SamplingFields(BaseModel):
-    """The fields completions and chat share. Unknown fields are ignored (as vLLM does)."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """The fields completions and chat share."""
+    model_config = STRICT
 
     model: str | None = None        # OpenAI requires it; curl users may leave it out
     max_tokens: int | None = None
@@ -70,21 +79,69 @@ class SamplingFields(BaseModel):
                                    code="unsupported_parameter")
         return data
 
+    @model_validator(mode="after")
+    def stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "'stream_options' is only allowed when 'stream' is true",
+                           param="stream_options")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the max_tokens asked for or None, the field that asked)."""
+        return self.max_tokens, "max_tokens"
+
+    def sampling_params(self, max_tokens: int | None = None) -> SamplingParams:
+        """The request's SamplingParams; `max_tokens` overrides the requested one (the
+        server resolves the default once it knows the prompt's length)."""
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        requested, param = self.requested_max_tokens
+        fields = dict(max_tokens=requested if max_tokens is None else max_tokens, temperature=self.temperature,
+                      top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop or [],
+                      ignore_eos=self.ignore_eos)
+        if fields["max_tokens"] is None:
+            fields["max_tokens"] = 1    # (only checking the other fields, before the prompt is known)
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k, seed=self.seed, stop=self.stop or [],
-                                  ignore_eos=self.ignore_eos)
-        except ValueError as err:   # "SamplingParams.<field> must be ..."
-            field = re.search(r"SamplingParams\.(\w+)", str(err))
-            raise APIError(400, str(err), param=field.group(1) if field else None) from None
+            return SamplingParams(**fields)
+        except ValueError as err:
+            field = refused_field(fields)
+            raise APIError(400, str(err), param=param if field == "max_tokens" else field) from None
+
+
+def refused_field(fields: dict) -> str | None:
+    """The field SamplingParams refuses: the first one that fails on its own (each check
+    looks at one field), so the error names it without parsing the message."""
+    for name, value in fields.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError:
+            return name
+    return None
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int,
+                       max_model_len: int, param: str, prompt_param: str) -> int:
+    """Output tokens the request may generate. A `max_tokens` the context cannot hold is
+    a 400 (OpenAI and vLLM refuse it; clamping it would silently shorten the answer);
+    without one, `default` (or the rest of the context) is cut to what fits."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
+                       f"but the prompt has {num_prompt_tokens} (the prompt and at least one new "
+                       f"token must fit)", param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"'{param}' is too large: {requested}. This model's maximum context "
+                       f"length is {max_model_len} tokens and the prompt has {num_prompt_tokens} "
+                       f"({requested} > {max_model_len} - {num_prompt_tokens})",
+                       param=param, code="context_length_exceeded")
+    return requested
 
 
 class CompletionRequest(SamplingFields):
@@ -107,13 +164,19 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None   # null only for an assistant (OpenAI: a tool-call turn)
+
+    @model_validator(mode="after")
+    def content_needed(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
 
     def as_template_message(self) -> dict:
         """{"role", "content"} as chat templates expect it (text parts joined)."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
@@ -121,19 +184,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
 
-    @model_validator(mode="after")
-    def merge_max_tokens(self):
-        if self.max_tokens is None:
-            self.max_tokens = self.max_completion_tokens
-        return self
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
-def parse(model: type[BaseModel], data) -> BaseModel:
-    """Validate a decoded JSON body; type errors become a 400 naming the first bad field."""
+def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Parse and validate a raw JSON body in one pass; a 400 naming the first bad field
+    (pydantic's `loc`), or saying the body is not JSON at all."""
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(body)
     except ValidationError as err:
-        first = err.errors()[0]
+        first = err.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":   # also: not UTF-8, too deep, a number too long
+            raise APIError(400, f"the request body is not valid JSON: "
+                           f"{first['msg'].removeprefix('Invalid JSON: ')}") from None
         field = str(first["loc"][0]) if first["loc"] else None
         message = first["msg"].removeprefix("Value error, ")
         if field is not None:
