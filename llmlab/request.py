@@ -9,8 +9,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from llmlab.sampling import SamplingParams
 
 
@@ -37,17 +35,13 @@ class Request:
     num_computed_tokens: int = 0     # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    generator: torch.Generator | None = None
+    sampling_seed: int = 0           # keys the sampler's noise: params.seed, or one the engine drew
     detokenizer: object = None       # IncrementalDetokenizer, set by the engine
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0   # prompt tokens found in the prefix cache
     first_token_time: float | None = None
     finish_time: float | None = None
     num_reported_tokens: int = 0     # output tokens already handed out in a RequestOutput
-
-    def __post_init__(self):
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def all_token_ids(self) -> list[int]:

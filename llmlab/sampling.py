@@ -1,9 +1,14 @@
 """SamplingParams (what a request asks for) and the Sampler (logits -> next tokens)."""
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 
 import torch
+
+from llmlab import kernels
+from llmlab.kernels.reference import filter_logits
 
 
 @dataclass
@@ -12,7 +17,8 @@ class SamplingParams:
     temperature: float = 1.0         # 0 = greedy
     top_k: int = -1                  # -1 = all tokens
     top_p: float = 1.0               # nucleus: smallest set of tokens with mass >= top_p
-    seed: int | None = None          # per-request generator: same seed -> same text, batched or not
+    min_p: float = 0.0               # drop tokens less likely than min_p x the top token
+    seed: int | None = None          # same seed -> same text, alone or in any batch
     stop: list[str] = field(default_factory=list)        # never shown in the output text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -24,9 +30,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number >= 0"),
+            ("temperature", _is_number(self.temperature) and 0 <= self.temperature < math.inf,
+             "a finite number >= 0"),
             ("top_k", _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 or an integer >= 1"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             ("seed", self.seed is None or _is_int(self.seed) and -2**63 <= self.seed < 2**63,
              "None or an integer in [-2**63, 2**63)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
@@ -51,46 +59,53 @@ def _is_number(x) -> bool:
 
 
 class Sampler:
-    """Turns one row of logits per sequence into one token per sequence.
+    """Turns one row of logits per sequence into one token per sequence, in one batched
+    kernel call on the logits' device (`kernels.sample`; kernels_explained/sampling.md).
 
-    Greedy rows take the argmax. Other rows are scaled by 1/temperature, filtered to the
-    top-k tokens and then to the top-p nucleus, and sampled with the exponential race
-    (argmax of p / Exp(1) noise), which needs one random draw per token and lets a
-    seeded request use its own generator, so its text does not depend on its batch.
+    Greedy rows take the argmax. Other rows are scaled by 1/temperature, cut by top-k,
+    top-p and min-p (`kernels.reference.filter_logits`), and drawn by the Gumbel-max trick
+    with counter-based noise: the noise for token t is a hash of (the request's seed, the
+    output position, t). So a seeded request gives the same text alone or in any batch,
+    with no per-request generator, and the host sends only a few numbers per row.
+    Requests without a seed get one from the engine's generator (`new_seed`), so a run
+    is reproducible from `EngineConfig.seed` too.
     """
 
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, backend: str | None = None):
+        self.generator = random.Random(seed)
+        self.backend = backend
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        # logits [num_seqs, vocab]
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            logits = logits.float()
-            rows = torch.tensor(sampled, device=logits.device)
-            probs = self.probabilities(logits[rows], [params[i] for i in sampled])
-            for j, i in enumerate(sampled):
-                gen = generators[i] or self.generator
-                noise = torch.empty(probs.shape[-1]).exponential_(generator=gen).to(probs.device)
-                tokens[i] = (probs[j] / noise).argmax()
-        return tokens.tolist()
+    def new_seed(self) -> int:
+        """A seed for a request that did not ask for one."""
+        return self.generator.getrandbits(63)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 positions: list[int]) -> torch.Tensor:
+        """logits [S, vocab]; each row's SamplingParams, seed and output position (how many
+        tokens its request has generated) -> int64 [S] token ids, on the logits' device."""
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)
+        device = logits.device
+        # two small host->device copies per step, whatever the batch: [S, 4] floats, [2, S] ints
+        floats = torch.tensor([(p.temperature, p.top_p, p.min_p, p.top_k) for p in params],
+                              dtype=torch.float32)
+        ints = torch.tensor([seeds, positions], dtype=torch.int64)
+        if device.type == "cuda":
+            floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
+        temperature, top_p, min_p, top_k = floats.unbind(dim=1)
+        return kernels.sample(logits, temperature, top_k.int(), top_p, min_p, ints[0], ints[1],
+                              backend=self.backend)
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Softmax of temperature-scaled logits after top-k and top-p filtering. [S, V] -> [S, V]."""
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature[:, None]
-        vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        """The exact distribution the sampler draws from: softmax of temperature-scaled logits
+        after top-k, top-p and min-p. [S, V] -> [S, V] (greedy rows: all mass on the argmax)."""
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        top_k = torch.tensor([p.top_k for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.clamp(max=vocab)[:, None], float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # keep a token if the mass strictly before it is < top_p (so the top token always stays)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-        filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        return filtered.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        x = filter_logits(logits.float() / temperature[:, None], top_k, top_p, min_p)
+        probs = x.softmax(dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return torch.where(greedy[:, None], one_hot, probs)

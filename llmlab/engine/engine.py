@@ -79,7 +79,7 @@ class LLMEngine:
                              config.max_num_seqs, self.max_model_len, use_graphs)
         if self.device.type == "cuda" and self.backend == "triton" and self.executor is None:
             self.runner.warm_up()   # compile the Triton kernel variants before the first request
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.backend)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
         self.requests: dict[str, Request] = {}
@@ -140,6 +140,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, text, token_ids, params)
+        request.sampling_seed = params.seed if params.seed is not None else self.sampler.new_seed()
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         self.requests[request_id] = request
@@ -193,8 +194,8 @@ class LLMEngine:
             requests = [plan.items[i].request for i in rows]
             if len(rows) < len(plan.items):   # mid-prompt chunks sample nothing
                 logits = logits[rows]
-            tokens = self.sampler(logits, [r.params for r in requests],
-                                  [r.generator for r in requests]) if rows else []
+            tokens = self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
+                                  [len(r.output_token_ids) for r in requests]).tolist() if rows else []
             timings["sample"], clock = self._lap(clock)
             for item in plan.items:
                 item.request.num_computed_tokens += item.num_tokens

@@ -27,7 +27,8 @@ import torch
 
 from . import reference, torch_backend
 
-KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "prefill_attention", "decode_attention")
+KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "prefill_attention", "decode_attention",
+                "sample")
 BACKENDS = ("reference", "torch", "triton")
 
 _default_backend: str | None = None
@@ -154,6 +155,10 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1, *, backend=None):
     return _call("decode_attention", backend, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, backend=None):
+    return _call("sample", backend, logits, temperature, top_k, top_p, min_p, seeds, positions)
 
 
 for _name in KERNEL_NAMES:

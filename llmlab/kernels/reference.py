@@ -167,3 +167,83 @@ def _attend_batched(q, k, v, mask, scale):
 def _attend(q, k, v, mask, scale):
     """One sequence: q [N, H, D], k/v [L, Hkv, D], mask bool [N, L] -> [N, H, D]."""
     return _attend_batched(q[None], k[None], v[None], mask[None], scale)[0]
+
+
+# ---- sampling ----------------------------------------------------------------------------
+# Randomness is counter-based: the noise a request sees for token t at output position p is
+# a hash of (its seed, p, t), the same whatever else runs in the batch and in any order, with
+# no generator state to carry. The hash is 32-bit integer mixing (two rounds of xorshift-
+# multiply), computed here in int64 tensors that hold uint32 values; every product stays
+# below 2**63, so no step relies on integer overflow, and the Triton kernel's uint32
+# arithmetic gives the same bits.
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B        # < 2**27: (x < 2**32) * _MIX < 2**59
+_GOLDEN = 0x9E3779B1    # Weyl-sequence step between token ids
+# The noise takes 2**23 values, so a Gumbel draw lies in [-2.82, 16.64]: a token whose scaled
+# logit is more than 19.45 below the row's maximum can never win the race. Fast samplers may
+# skip those tokens without changing any result; the margin covers float rounding.
+GUMBEL_SPAN = 20.0
+
+
+def mix32(x):
+    """A 32-bit integer hash (x: int64 tensor of uint32 values)."""
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    return (x >> 16) ^ x
+
+
+def row_keys(seeds, positions):
+    """One 32-bit key per row from its request's 64-bit seed and the output position being
+    sampled. seeds, positions: int64 [S] -> int64 [S]."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = mix32(lo ^ mix32(hi ^ 0x632BE5AB))
+    return mix32(key ^ mix32((positions & _M32) ^ 0x85EBCA6B))
+
+
+def gumbel_noise(keys, token_ids):
+    """Standard Gumbel noise for (row key, token id): -log(-log(u)), u uniform on 2**23 points
+    strictly inside (0, 1). keys and token_ids broadcast against each other (int64)."""
+    h = mix32((keys + token_ids * _GOLDEN) & _M32)
+    u = ((h >> 9).float() + 0.5) * 2.0 ** -23
+    return -torch.log(-torch.log(u))
+
+
+def filter_logits(x, top_k, top_p, min_p):
+    """Temperature-scaled logits [S, V] with every token outside the kept set at -inf.
+
+    top-k keeps the tokens at or above the k-th largest logit (top_k <= 0 or >= V: all);
+    top-p then keeps, of those, the smallest most-likely set whose probability (renormalized
+    over the top-k set) reaches top_p: sorted most likely first, a token stays if the mass
+    strictly before it is < top_p (top_p = 1: all); min-p keeps tokens whose probability is at
+    least min_p times the top one's. Each rule is a cut on the logit value, so tokens tied
+    with the last one kept are kept too. top_k int [S], top_p and min_p float [S].
+    """
+    S, V = x.shape
+    sorted_x = x.sort(dim=-1, descending=True).values
+    k = torch.where((top_k <= 0) | (top_k > V), V, top_k).long()
+    kth = sorted_x.gather(1, k[:, None] - 1)                      # [S, 1]
+    in_top_k = sorted_x >= kth
+    probs = sorted_x.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
+    num_kept = keep.sum(dim=-1, keepdim=True)                     # >= 1: the top token stays
+    cut = sorted_x.gather(1, num_kept - 1)
+    min_p_cut = sorted_x[:, :1] + torch.log(min_p[:, None])       # log(0) = -inf: no cut
+    cut = torch.maximum(cut, min_p_cut)
+    return x.masked_fill(x < cut, float("-inf"))
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    """One token per row: the argmax where temperature is 0, else a draw from the softmax of
+    logits / temperature restricted by `filter_logits`, by the Gumbel-max trick
+    (argmax of scaled logit + Gumbel noise keyed on (seed, position, token)).
+
+    logits [S, V] (any float dtype); temperature, top_p, min_p float32 [S]; top_k int32 [S];
+    seeds, positions int64 [S]. Returns int64 [S]. See kernels_explained/sampling.md.
+    """
+    greedy = logits.argmax(dim=-1)
+    x = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    x = filter_logits(x, top_k, top_p, min_p)
+    token_ids = torch.arange(x.shape[-1], device=x.device)
+    noise = gumbel_noise(row_keys(seeds, positions)[:, None], token_ids[None, :])
+    return torch.where(temperature > 0, (x + noise).argmax(dim=-1), greedy)

@@ -166,3 +166,66 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
             out = torch.empty_like(q)
         out.index_copy_(0, index, result)
     return out
+
+
+# ---- sampling ----------------------------------------------------------------------------
+# The reference sorts every row and draws noise for every token. Here the work follows the
+# tokens that can matter: the top-k / top-p cut is found in a `topk` of K candidates (K grows
+# only for the rows whose cut lies deeper), and noise is drawn only for tokens above the cut
+# and within GUMBEL_SPAN of the row's maximum (the others can never win). Same tokens as
+# the reference: the same noise per (seed, position, token) and the same cut.
+_CANDIDATES = (64, 1024, 8192)
+
+
+def _rank_cut(x, top_k, top_p):
+    """Per row, the logit value of the last token kept by top-k then top-p ([S] -> [S])."""
+    S, V = x.shape
+    cut = torch.empty(S, dtype=x.dtype, device=x.device)
+    log_z = x.logsumexp(dim=-1)             # normalizer when top-k is off
+    rows = torch.arange(S, device=x.device)
+    sizes = [c for c in _CANDIDATES if c < V] + [V]
+    for K in sizes:
+        xs, k, p = x[rows], top_k[rows], top_p[rows]
+        values = xs.topk(K, dim=-1).values if K < V else xs.sort(dim=-1, descending=True).values
+        k_seen = k <= K
+        kth = values.gather(1, (k.clamp(max=K) - 1)[:, None])
+        in_top_k = torch.where(k_seen[:, None], values >= kth, True)
+        masked = values.masked_fill(~in_top_k, float("-inf"))
+        log_zk = torch.where(k_seen, masked.logsumexp(dim=-1), log_z[rows])
+        probs = (masked - log_zk[:, None]).exp()
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep = in_top_k & ((mass_before < p[:, None]) | (p[:, None] >= 1))
+        num_kept = keep.sum(dim=-1)
+        # the cut is known when every top-k token is a candidate, or (top-k off) when the
+        # top-p cut falls inside the candidates; a top-k beyond K needs more candidates
+        done = k_seen | ((k == V) & (num_kept < K)) | (K == V)
+        found = values.gather(1, (num_kept.clamp(min=1) - 1)[:, None])[:, 0]
+        cut[rows[done]] = found[done]
+        rows = rows[~done]
+        if rows.numel() == 0:
+            break
+    return cut
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    tokens = logits.argmax(dim=-1)
+    rows = (temperature > 0).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return tokens
+    x = logits[rows].float() / temperature[rows, None]
+    V = x.shape[-1]
+    m = x.amax(dim=-1)
+    cut = torch.maximum(m - reference.GUMBEL_SPAN, m + torch.log(min_p[rows]))
+    k = torch.where((top_k[rows] <= 0) | (top_k[rows] > V), V, top_k[rows]).long()
+    p = top_p[rows]
+    ranked = ((k < V) | (p < 1)).nonzero()[:, 0]
+    if ranked.numel():
+        cut[ranked] = torch.maximum(cut[ranked], _rank_cut(x[ranked], k[ranked], p[ranked]))
+    r, t = (x >= cut[:, None]).nonzero(as_tuple=True)      # the candidates, row-major
+    keys = reference.row_keys(seeds[rows], positions[rows])
+    score = x[r, t] + reference.gumbel_noise(keys[r], t)
+    best = torch.full((rows.numel(),), float("-inf"), device=x.device).scatter_reduce(0, r, score, "amax")
+    win = score == best[r]
+    choice = torch.zeros(rows.numel(), dtype=torch.int64, device=x.device).scatter_(0, r[win], t[win])
+    tokens[rows] = choice
+    return tokens

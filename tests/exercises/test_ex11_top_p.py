@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from llmlab import kernels
+from llmlab.kernels import reference
 from llmlab.sampling import Sampler, SamplingParams
 
 EXERCISE = "ex11_top_p"
@@ -50,17 +52,20 @@ def test_full_vocabulary(ex):
                                atol=1e-7, rtol=1e-6)
 
 
-def test_end_to_end(ex, llm, monkeypatch):
-    """The engine's sampler on your filter: seeded top-p sampling generates the same text."""
-    params = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.7, seed=1234)
+def test_end_to_end(ex, llm):
+    """The engine's sampler with your filter in place of llmlab's top-p cut: seeded top-p
+    sampling generates the same tokens (the noise and the draw are llmlab's own)."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.7, seed=1234)
     prompt = "My favourite animal is"
     expected = llm.generate(prompt, params)[0].token_ids
 
-    def probabilities(logits, params_list):
-        assert all(p.top_k == -1 for p in params_list)
-        temperature = torch.tensor([p.temperature for p in params_list], device=logits.device)[:, None]
-        top_p = torch.tensor([p.top_p for p in params_list], device=logits.device)
-        return ex.top_p_filter(logits / temperature, top_p).softmax(dim=-1)
+    def sample_with_your_filter(logits, temperature, top_k, top_p, min_p, seeds, positions):
+        assert (top_k == -1).all() and (min_p == 0).all()
+        x = ex.top_p_filter(logits.float() / temperature[:, None], top_p)
+        token_ids = torch.arange(x.shape[-1])
+        noise = reference.gumbel_noise(reference.row_keys(seeds, positions)[:, None], token_ids[None, :])
+        return (x + noise).argmax(dim=-1)
 
-    monkeypatch.setattr(Sampler, "probabilities", staticmethod(probabilities))
-    assert llm.generate(prompt, params)[0].token_ids == expected
+    with kernels.override(sample=sample_with_your_filter):
+        got = llm.generate(prompt, params)[0].token_ids
+    assert got == expected, f"seeded top-p sampling with your filter gave {got}, llmlab's sampler {expected}"
