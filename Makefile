@@ -17,9 +17,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests --nbval-lax $(NOTEBOOKS)
 
-# Grades the exercise skeletons with the same tests that pass on solutions/.
+# Grades exercises/ with the same tests that pass on solutions/, each exercise in a process
+# of its own: one that crashes (an out-of-bounds read) or hangs shows in the table, the rest
+# still grade. `make grade EX="ex06 ex07"` grades only those.
 grade: $(STAMP)
-	$(VENV)/bin/python -m pytest tests/exercises --impl=exercises
+	$(VENV)/bin/python tests/exercises/grade.py $(EX)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

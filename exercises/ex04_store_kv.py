@@ -52,13 +52,16 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     pass
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):
     """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[t] for each slot =
     slot_mapping[t] >= 0; in place, returns None. See kernels_explained/store_kv.md."""
     raise NotImplementedError("ex04: write _store_kv_kernel above, then delete this line")
     # k, v:             [num_tokens, num_kv_heads, head_dim]
     # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # slot_mapping:     [num_tokens] integer, -1 for padding tokens
+    # k_scales, v_scales: the per-token scales of an int8/fp8 cache (llmlab's kv_cache_dtype);
+    # the exercise's kernel reads float caches, for which the engine passes none.
+    assert k_scales is None and v_scales is None, "this exercise's kernel reads float KV caches only"
     num_tokens, num_kv_heads, head_dim = k.shape
     num_blocks, block_size = k_cache.shape[:2]
     assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"

@@ -78,7 +78,8 @@ def _prefill_attention_kernel(
     pass
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                      k_scales=None, v_scales=None):
     """Causal attention of each sequence's new query tokens over its whole paged context.
     See kernels_explained/prefill_attention.md."""
     raise NotImplementedError("ex08: write _prefill_attention_kernel above, then delete this line")
@@ -88,6 +89,9 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     # cu_seqlens_q: [num_seqs + 1] int   sequence s owns q rows cu[s]:cu[s+1]
     # seq_lens:     [num_seqs] int       cached tokens of sequence s, this chunk included
     # returns out:  [num_tokens, num_heads, head_dim]
+    # k_scales, v_scales: the per-token scales of an int8/fp8 cache (llmlab's kv_cache_dtype);
+    # the exercise's kernel reads float caches, for which the engine passes none.
+    assert k_scales is None and v_scales is None, "this exercise's kernel reads float KV caches only"
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]

@@ -94,7 +94,8 @@ def _paged_attention_v1_kernel(
     tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + d, acc / l)  # seq_len >= 1, so l > 0
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
+                     k_scales=None, v_scales=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens
     (PagedAttention v1; num_splits is ignored). See kernels_explained/decode_attention.md."""
     # q:            [num_seqs, num_heads, head_dim]
@@ -102,6 +103,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     # block_tables: [num_seqs, max_blocks_per_seq] int32
     # seq_lens:     [num_seqs] int, each >= 1
     # returns out:  [num_seqs, num_heads, head_dim]
+    # k_scales, v_scales: the per-token scales of an int8/fp8 cache (llmlab's kv_cache_dtype);
+    # the exercise's kernel reads float caches, for which the engine passes none.
+    assert k_scales is None and v_scales is None, "this exercise's kernel reads float KV caches only"
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape

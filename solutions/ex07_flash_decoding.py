@@ -122,7 +122,8 @@ def _combine_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + row * HEAD_DIM + d, out)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
+                     k_scales=None, v_scales=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens, each
     context split into num_splits ranges and the partial results combined
     (flash-decoding). See kernels_explained/decode_attention.md."""
@@ -131,6 +132,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     # block_tables: [num_seqs, max_blocks_per_seq] int32
     # seq_lens:     [num_seqs] int, each >= 1
     # returns out:  [num_seqs, num_heads, head_dim]
+    # k_scales, v_scales: the per-token scales of an int8/fp8 cache (llmlab's kv_cache_dtype);
+    # the exercise's kernel reads float caches, for which the engine passes none.
+    assert k_scales is None and v_scales is None, "this exercise's kernel reads float KV caches only"
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape

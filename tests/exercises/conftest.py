@@ -7,23 +7,30 @@
 A test whose exercise still raises NotImplementedError is skipped under --impl=exercises
 ("not written yet"), so an untouched exercise never shows as a failure; under
 --impl=solutions it is a failure like any other. A table at the end sums up each exercise.
+`make grade` runs tests/exercises/grade.py instead, which runs each exercise's tests in a
+process of its own so that a crash of one is reported and the others still grade.
 """
 from __future__ import annotations
 
-import re
-from collections import Counter, defaultdict
+import json
+import os
+from collections import defaultdict
 
 import pytest
 
 from grading import DEVICE, load
+from report import Grade, exercise_of, table
 
-_results: dict[str, Counter] = defaultdict(Counter)   # exercise -> outcome counts
-_not_written: dict[str, str] = {}                     # exercise -> NotImplementedError message
+_grades: dict[str, Grade] = defaultdict(Grade)   # exercise -> what its tests did
+# grade.py runs each exercise in a process of its own and sets this: every test's start and
+# outcome go to that file as they happen (so a crash still leaves a record), and grade.py
+# prints the table.
+_EVENTS = os.environ.get("LLMLAB_GRADE_EVENTS")
 
 
-def _exercise_of(nodeid: str) -> str | None:
-    match = re.search(r"test_(ex\d\d_\w+?)\.py::", nodeid)
-    return match.group(1) if match else None
+def _event(**event) -> None:
+    with open(_EVENTS, "a") as f:
+        f.write(json.dumps(event) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -77,37 +84,33 @@ def pytest_runtest_call(item):
     try:
         return (yield)
     except NotImplementedError as error:
-        exercise = _exercise_of(item.nodeid)
+        exercise = exercise_of(item.nodeid)
         if item.config.getoption("--impl") != "exercises" or exercise is None:
             raise
-        _not_written[exercise] = str(error)
+        _grades[exercise].not_written = True
+        if _EVENTS:
+            _event(nodeid=item.nodeid, not_written=True)
         pytest.skip(f"exercises/{exercise}.py: not written yet ({error})")
 
 
+def pytest_runtest_logstart(nodeid, location):
+    if _EVENTS and exercise_of(nodeid):
+        _event(nodeid=nodeid, start=True)
+
+
 def pytest_runtest_logreport(report):
-    exercise = _exercise_of(report.nodeid)
+    exercise = exercise_of(report.nodeid)
     if exercise is None:
         return
-    if report.when == "call" or report.outcome != "passed":  # setup errors and skips count too
-        _results[exercise][report.outcome] += 1
+    _grades[exercise].add(report.when, report.outcome)
+    if _EVENTS:
+        _event(nodeid=report.nodeid, when=report.when, outcome=report.outcome)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _results:
+    if not _grades or _EVENTS:   # grade.py prints the table of all exercises itself
         return
     impl = config.getoption("--impl")
     terminalreporter.section(f"llmlab exercises: grading {impl}/")
-    for exercise in sorted(_results):
-        counts = _results[exercise]
-        if counts["failed"]:
-            status = f"FAILING  {counts['failed']} failed, {counts['passed']} passed"
-        elif exercise in _not_written and not counts["passed"]:
-            status = "to do    not written yet"
-        elif counts["skipped"]:
-            status = f"partial  {counts['passed']} passed, {counts['skipped']} not written yet"
-        else:
-            status = f"done     {counts['passed']} passed"
-        terminalreporter.write_line(f"  {exercise:26s} {status}")
-    if impl == "exercises" and _not_written:
-        terminalreporter.write_line("  (a skipped test's exercise still raises NotImplementedError: "
-                                    "see exercises/README.md)")
+    for line in table(_grades, impl):
+        terminalreporter.write_line(line)

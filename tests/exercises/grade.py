@@ -1,0 +1,116 @@
+"""Grade every exercise, each in a process of its own, so that one that crashes or hangs is
+reported in the table and the others are still graded (`make grade` runs this).
+
+    .venv/bin/python tests/exercises/grade.py                  grades exercises/
+    .venv/bin/python tests/exercises/grade.py ex06 ex07        only those
+    .venv/bin/python tests/exercises/grade.py --impl=solutions --timeout=900
+
+Under Triton's interpreter a kernel's load outside a tensor reads whatever memory is there:
+NaN or garbage when it is mapped, a segmentation fault when it is not, and the fault kills
+the process (no table, only "Fatal Python error"). Here that process is one exercise's
+pytest run; its tests report their start and outcome to a file as they go (conftest.py),
+so the table can say which test was running when it died.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from report import Grade, exercise_of, table
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+WHY = {
+    signal.SIGSEGV: "likely an out-of-bounds read or write: a tl.load / tl.store whose mask lets a lane "
+                    "past the end of a tensor (or a block-table entry past a sequence's blocks)",
+    signal.SIGBUS: "likely an out-of-bounds read or write: check the masks of every tl.load / tl.store",
+    signal.SIGABRT: "the process aborted (a failed check inside Triton or torch)",
+    signal.SIGKILL: "killed (out of memory?)",
+}
+
+
+def crash_message(returncode: int | None, timeout: float, running: str | None) -> str | None:
+    """Why an exercise's process did not finish normally, or None when it did (pytest exits
+    0 when all passed, 1 when some failed)."""
+    where = f" in {running.split('::', 1)[1]}" if running else ""
+    if returncode is None:
+        return f"hung{where}: no result after {timeout:.0f} s (a loop that never ends? a huge grid?)"
+    if returncode in (0, 1):
+        return None
+    if returncode < 0:
+        sig = signal.Signals(-returncode)
+        return f"crashed{where} ({WHY.get(sig, 'killed by a signal')}; {sig.name})"
+    return f"could not run (pytest exit code {returncode}: an import or syntax error? see above)"
+
+
+def grade_one(test_file: Path, impl: str, timeout: float, extra: list[str]) -> dict[str, Grade]:
+    """Run one exercise's tests in a child pytest; returns its grades, crashes included."""
+    grades: dict[str, Grade] = defaultdict(Grade)
+    exercise = test_file.stem.removeprefix("test_")
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as events:
+        env = dict(os.environ, LLMLAB_GRADE_EVENTS=events.name)
+        command = [sys.executable, "-m", "pytest", str(test_file.relative_to(REPO)), f"--impl={impl}",
+                   "-q", "-p", "no:cacheprovider", *extra]
+        # its own process group: a timeout kills its children (e.g. compile workers) too
+        child = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
+        try:
+            returncode = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            returncode = None
+        except KeyboardInterrupt:
+            os.killpg(child.pid, signal.SIGKILL)
+            raise
+        running = None
+        for line in events:
+            event = json.loads(line)
+            if event.get("start"):
+                running = event["nodeid"]
+            elif event.get("not_written"):
+                grades[exercise_of(event["nodeid"])].not_written = True
+            else:
+                grades[exercise_of(event["nodeid"])].add(event["when"], event["outcome"])
+                if event["when"] == "teardown":
+                    running = None
+    crash = crash_message(returncode, timeout, running)
+    if crash:
+        grades[exercise].crashed = crash
+    return grades
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("exercises", nargs="*", help="e.g. ex06 (default: all)")
+    parser.add_argument("--impl", default="exercises", choices=["exercises", "solutions"])
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per exercise before it counts as hung")
+    args, extra = parser.parse_known_args(argv)
+    files = sorted(HERE.glob("test_ex[0-9][0-9]_*.py"))
+    if args.exercises:
+        files = [f for f in files if any(f.stem.startswith(f"test_{name}") for name in args.exercises)]
+    grades: dict[str, Grade] = {}
+    for test_file in files:
+        print(f"\n=== {test_file.stem.removeprefix('test_')}", flush=True)
+        grades.update(grade_one(test_file, args.impl, args.timeout, extra))
+    # the engine and the grader call your files by the names and signatures of solutions/
+    print("\n=== public names and signatures", flush=True)
+    api = subprocess.run([sys.executable, "-m", "pytest", str((HERE / "test_same_api.py").relative_to(REPO)),
+                          f"--impl={args.impl}", "-q", "-p", "no:cacheprovider"], cwd=REPO).returncode
+    print(f"\nllmlab exercises: grading {args.impl}/")
+    for line in table(grades, args.impl):
+        print(line)
+    print(f"  {'public names and signatures':26s} {'same as solutions/' if api == 0 else 'DIFFERENT (see above)'}")
+    bad = api != 0 or any(g.crashed or g.counts["failed"] for g in grades.values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

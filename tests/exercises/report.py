@@ -1,0 +1,52 @@
+"""The grade table: one line per exercise, from the outcomes of its tests.
+
+Both graders print it: the pytest plugin in conftest.py at the end of an in-process run,
+and grade.py, which runs every exercise in a process of its own and adds the exercises
+that crashed or hung (a kernel's out-of-bounds read can kill the process that runs it).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+def exercise_of(nodeid: str) -> str | None:
+    """'tests/exercises/test_ex06_paged_attention_v1.py::test_case[...]' -> 'ex06_paged_attention_v1'."""
+    match = re.search(r"test_(ex\d\d_\w+?)\.py::", nodeid)
+    return match.group(1) if match else None
+
+
+@dataclass
+class Grade:
+    """What is known about one exercise's tests."""
+    counts: Counter = field(default_factory=Counter)   # "passed" | "failed" | "skipped" -> tests
+    not_written: bool = False       # a test hit the exercise's NotImplementedError
+    crashed: str | None = None      # why its process died (grade.py only)
+
+    def add(self, when: str, outcome: str) -> None:
+        if when == "call" or outcome != "passed":   # setup errors and skips count too
+            self.counts[outcome] += 1
+
+    def status(self) -> str:
+        counts = self.counts
+        if self.crashed:
+            done = f"; {counts['passed']} passed, {counts['failed']} failed before it" if sum(counts.values()) else ""
+            return f"CRASHED  {self.crashed}{done}"
+        if counts["failed"]:
+            return f"FAILING  {counts['failed']} failed, {counts['passed']} passed"
+        if self.not_written and not counts["passed"]:
+            return "to do    not written yet"
+        if counts["skipped"]:
+            return f"partial  {counts['passed']} passed, {counts['skipped']} not written yet"
+        return f"done     {counts['passed']} passed"
+
+
+def table(grades: dict[str, Grade], impl: str) -> list[str]:
+    lines = [f"  {exercise:26s} {grades[exercise].status()}" for exercise in sorted(grades)]
+    if impl == "exercises" and any(g.not_written for g in grades.values()):
+        lines.append("  (a skipped test's exercise still raises NotImplementedError: see exercises/README.md)")
+    if any(g.crashed for g in grades.values()):
+        lines.append("  (a crashed exercise killed the process that ran it; the others were graded on their "
+                     "own: see exercises/README.md, 'When the grader crashes')")
+    return lines
