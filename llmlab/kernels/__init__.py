@@ -1,4 +1,4 @@
-"""llmlab's kernels behind one contract (DESIGN.md, "Kernel contract").
+"""llmlab's kernels behind one contract (ARCHITECTURE.md, "Kernel contract").
 
 Every kernel has one signature and three implementations, chosen by backend name:
 
