@@ -104,6 +104,7 @@ BENCHMARKS = {
     "serving": "llmlab.bench.serving",
     "hooks": "llmlab.bench.hooks",
     "calibrate": "llmlab.bench.calibrate",
+    "head-of-line": "llmlab.bench.head_of_line",
 }
 
 

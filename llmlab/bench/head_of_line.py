@@ -1,0 +1,121 @@
+"""head-of-line blocking: a short request's time to first token while a long prompt is prefilled.
+
+    llmlab bench head-of-line [--long-len 7000] [--short-len 4] [--url URL] [engine flags] [--out F]
+
+Through the OpenAI server (its own, in this process, unless --url names one): first the
+short request alone, then a long prompt (random token ids), and once the long prompt is
+running the short request again. With chunked prefill the short one shares the long one's
+steps only if the scheduler leaves it room; otherwise it waits for the whole prefill.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+
+def add_arguments(parser) -> None:
+    from llmlab.config import add_engine_arguments
+
+    parser.add_argument("--url", default=None, help="a running server (default: start one here)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--long-len", type=int, default=7000, help="prompt tokens of the long request")
+    parser.add_argument("--short-len", type=int, default=4, help="prompt tokens of the short request")
+    parser.add_argument("--short-output-len", type=int, default=4)
+    parser.add_argument("--delay", type=float, default=1.0,
+                        help="seconds after the long request starts running before the short one is sent")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    add_engine_arguments(parser, exclude=("seed",))
+
+
+async def first_token_seconds(client, prompt: list[int], max_tokens: int) -> float:
+    """Seconds from sending a streaming completion to its first token (then reads to the end)."""
+    payload = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    start, first = time.perf_counter(), None
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {") and '"text":"' in line and '"text":""' not in line:
+                first = time.perf_counter() - start
+    return first if first is not None else time.perf_counter() - start
+
+
+async def measure(url: str, api_key: str | None, args, vocab_size: int) -> dict:
+    import httpx
+
+    rng = random.Random(args.seed)
+
+    def prompt(n):
+        return [rng.randint(16, vocab_size - 1) for _ in range(n)]
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=3600) as client:
+        await first_token_seconds(client, prompt(8), 2)    # warm-up
+        alone = await first_token_seconds(client, prompt(args.short_len), args.short_output_len)
+        long_task = asyncio.ensure_future(first_token_seconds(client, prompt(args.long_len), 1))
+        long_start = time.perf_counter()
+        while True:    # the long request is running (prefilling) once the engine reports it
+            text = (await client.get("/metrics")).text
+            if any(line.startswith("llmlab_num_requests_running ") and float(line.split()[1]) >= 1
+                   for line in text.splitlines()):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(args.delay)
+        sent_after = time.perf_counter() - long_start
+        behind = await first_token_seconds(client, prompt(args.short_len), args.short_output_len)
+        long_ttft = await long_task
+    return {"long_len": args.long_len, "short_len": args.short_len, "short_ttft_alone_s": alone,
+            "short_ttft_behind_long_s": behind, "short_sent_after_s": sent_after, "long_ttft_s": long_ttft}
+
+
+def cpu_model() -> str | None:
+    """The CPU's name as lscpu shows it (Linux), for the record."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def main(args) -> dict:
+    import os
+    import platform
+    import socket
+    import threading
+
+    import uvicorn
+
+    from llmlab.config import EngineConfig, engine_kwargs
+
+    if args.url:
+        result = asyncio.run(measure(args.url, args.api_key, args, vocab_size=1000))
+    else:
+        from llmlab.engine.engine import LLMEngine
+        from llmlab.server.app import create_app
+        config = EngineConfig(**engine_kwargs(args))
+        engine = LLMEngine(config)
+        app = create_app(engine)
+        with socket.socket() as probe:    # a free port on the loopback interface
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            result = asyncio.run(measure(f"http://127.0.0.1:{port}", None, args, engine.model_config.vocab_size))
+        finally:
+            server.should_exit = True
+            thread.join()
+        result.update(device=engine.device.type, backend=engine.backend, dtype=str(engine.dtype),
+                      max_num_batched_tokens=config.max_num_batched_tokens,
+                      config={k: v for k, v in engine_kwargs(args).items()})
+    result.update(cpu=cpu_model() or platform.machine(), load_average=os.getloadavg())
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
