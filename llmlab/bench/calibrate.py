@@ -1,12 +1,12 @@
 """calibrate the simulator: run one workload on the real engine, fit a CostModel on its
 trace, then run a second, different workload and report how far `simulate` is from it.
 
-Writes into --out: fit_trace.json (the engine Trace of the first workload), cost_model.json
+Writes into --out: fit_trace.json and predict_trace.json (the engine Traces), cost_model.json
 (`CostModel.load`), predict_measured.json / predict_simulated.json (`Result.load`) and
 report.json (the fit, the measured and simulated summaries, their relative errors).
 
 Presets (any option below overrides its value):
-  h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3 minutes on an H200)
+  h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3-4 minutes on an H200)
   cpu   the embedded SmolLM2-135M, small workloads (~2 minutes on a 2-core laptop)
   tiny  a 2-layer random model, a few seconds (a smoke test of this command)
 """
@@ -16,18 +16,20 @@ import json
 import os
 import time
 
+# The first workload is bursty (gamma arrivals, cv 3), so its steps cover small and large
+# batches alike; the second has Poisson arrivals at another rate and another length mix.
 PRESETS = {
     "h200": dict(model="random-llama3-8b", max_num_seqs=128, max_num_batched_tokens=2048,
-                 fit_requests=400, fit_rate=8.0, fit_prompt_len="32,1536", fit_output_len="16,384",
-                 predict_requests=400, predict_rate=12.0, predict_cv=2.0, predict_prompt_len="16,768",
-                 predict_output_len="32,512"),
-    "cpu": dict(model="embedded", max_num_seqs=16, max_num_batched_tokens=256,
-                fit_requests=40, fit_rate=0.8, fit_prompt_len="16,256", fit_output_len="8,48",
-                predict_requests=40, predict_rate=1.2, predict_cv=2.0, predict_prompt_len="8,160",
+                 fit_requests=500, fit_rate=10.0, fit_cv=3.0, fit_prompt_len="32,1536", fit_output_len="16,512",
+                 predict_requests=400, predict_rate=8.0, predict_cv=1.0, predict_prompt_len="16,1024",
+                 predict_output_len="32,384"),
+    "cpu": dict(model="embedded", threads=1, max_num_seqs=16, max_num_batched_tokens=256,
+                fit_requests=48, fit_rate=1.0, fit_cv=3.0, fit_prompt_len="16,256", fit_output_len="8,48",
+                predict_requests=40, predict_rate=0.7, predict_cv=1.0, predict_prompt_len="8,160",
                 predict_output_len="16,64"),
     "tiny": dict(model="random-tiny", max_num_seqs=16, max_num_batched_tokens=64,
-                 fit_requests=30, fit_rate=200.0, fit_prompt_len="4,60", fit_output_len="2,24",
-                 predict_requests=30, predict_rate=300.0, predict_cv=2.0, predict_prompt_len="4,40",
+                 fit_requests=30, fit_rate=200.0, fit_cv=3.0, fit_prompt_len="4,60", fit_output_len="2,24",
+                 predict_requests=30, predict_rate=150.0, predict_cv=1.0, predict_prompt_len="4,40",
                  predict_output_len="4,32"),
 }
 REPORTED = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90", "output_tok_s")
@@ -40,18 +42,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="random-llama3-8b with fewer layers (smoke tests)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     for name, kind in (("max-num-seqs", int), ("max-num-batched-tokens", int), ("fit-requests", int),
-                       ("fit-rate", float), ("fit-prompt-len", str), ("fit-output-len", str),
+                       ("fit-rate", float), ("fit-cv", float), ("fit-prompt-len", str), ("fit-output-len", str),
                        ("predict-requests", int), ("predict-rate", float), ("predict-cv", float),
                        ("predict-prompt-len", str), ("predict-output-len", str)):
         parser.add_argument(f"--{name}", type=kind, default=None,
                             help="lengths are LOW,HIGH (uniform); rates are requests/s" if "len" in name else None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's, "
+                        "else torch's)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _options(args) -> dict:
     options = dict(PRESETS[args.preset])
-    for key in list(options):
+    for key in [*options, "threads"]:
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
     for key in [k for k in options if k.endswith("_len")]:
@@ -89,22 +92,25 @@ def calibrate(args) -> dict:
     from llmlab.experiments import CostModel, Workload, run, simulate
     from llmlab.experiments.result import step_durations
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     options = _options(args)
+    if options.get("threads"):   # on a shared CPU, 1 thread avoids OpenMP spinning against other jobs
+        torch.set_num_threads(options["threads"])
     os.makedirs(args.out, exist_ok=True)
     engine = build_engine(options, args)
     vocab = engine.model_config.vocab_size
-    fit = Workload.poisson(options["fit_requests"], options["fit_rate"], options["fit_prompt_len"],
-                           options["fit_output_len"], seed=args.seed, vocab_size=vocab)
+    fit = Workload.gamma(options["fit_requests"], options["fit_rate"], options["fit_cv"], options["fit_prompt_len"],
+                         options["fit_output_len"], seed=args.seed, vocab_size=vocab)
     predict = Workload.gamma(options["predict_requests"], options["predict_rate"], options["predict_cv"],
                              options["predict_prompt_len"], options["predict_output_len"], seed=args.seed + 1,
                              vocab_size=vocab)
+    load = [os.getloadavg()[0]]     # other jobs on the machine make step times noisy: say how busy it was
     start = time.perf_counter()
     fitted = run(fit, engine)
     fit_seconds = time.perf_counter() - start
+    load.append(os.getloadavg()[0])
     fitted.trace.meta.update(recorded_on=_device_name(engine), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                             workload=f"poisson {options['fit_requests']} requests at {options['fit_rate']}/s, "
+                             workload=f"gamma (cv {options['fit_cv']}) {options['fit_requests']} requests at "
+                                      f"{options['fit_rate']}/s, "
                                       f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}")
     fitted.trace.save(os.path.join(args.out, "fit_trace.json"))
     cost_model = CostModel.fit(fitted.trace)
@@ -115,9 +121,11 @@ def calibrate(args) -> dict:
     start = time.perf_counter()
     measured = run(predict, engine)
     predict_seconds = time.perf_counter() - start
+    load.append(os.getloadavg()[0])
     start = time.perf_counter()
     simulated = simulate(predict, engine.config, cost_model)
     simulate_seconds = time.perf_counter() - start
+    measured.trace.save(os.path.join(args.out, "predict_trace.json"))
     measured.save(os.path.join(args.out, "predict_measured.json"))
     simulated.save(os.path.join(args.out, "predict_simulated.json"))
 
@@ -130,6 +138,7 @@ def calibrate(args) -> dict:
         "recorded_on": fitted.trace.meta["recorded_on"], "date": fitted.trace.meta["date"],
         "cost_model": cost_model.to_dict(),
         "seconds": {"fit_run": fit_seconds, "predict_run": predict_seconds, "simulate": simulate_seconds},
+        "load_average": {"before_fit": load[0], "after_fit": load[1], "after_predict": load[2]},
         "predict_step_error": {"median": step_errors[len(step_errors) // 2],
                                "p90": step_errors[int(len(step_errors) * 0.9)]} if step_errors else {},
         "measured": a, "simulated": b,
@@ -158,7 +167,8 @@ def format_report(report: dict) -> str:
              f"on the second workload's steps: median {report['predict_step_error'].get('median', float('nan')):.1%}, "
              f"p90 {report['predict_step_error'].get('p90', float('nan')):.1%}",
              f"runs took {report['seconds']['fit_run']:.1f} s and {report['seconds']['predict_run']:.1f} s; "
-             f"the simulation {report['seconds']['simulate']:.2f} s",
+             f"the simulation {report['seconds']['simulate']:.2f} s; 1-minute load average "
+             + " / ".join(f"{v:.1f}" for v in report["load_average"].values()) + " (before / after each run)",
              f"{'':14} {'measured':>10} {'simulated':>10} {'error':>8}"]
     for key in REPORTED:
         lines.append(f"{key:14} {report['measured'][key]:>10.4g} {report['simulated'][key]:>10.4g} "

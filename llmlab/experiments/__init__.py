@@ -21,8 +21,12 @@ from llmlab.experiments.simulate import simulate
 from llmlab.experiments.workload import Workload, WorkloadRequest, read_lengths
 
 
+FIGURES = ("compare", "latency_cdf", "prediction_error", "request_timeline", "step_predictions", "step_timeline",
+           "sweep", "workload_figure")
+
+
 def __getattr__(name):   # figures need plotly, which a GPU box may not have: import on first use
-    if name in ("latency_cdf", "request_timeline", "compare", "step_timeline", "prediction_error"):
+    if name in FIGURES:
         from llmlab.experiments import figures
 
         return getattr(figures, name)
@@ -30,5 +34,5 @@ def __getattr__(name):   # figures need plotly, which a GPU box may not have: im
 
 
 __all__ = ["FEATURES", "POLICIES", "CostModel", "RequestMetrics", "Result", "StepStats", "Workload",
-           "WorkloadRequest", "compare", "engine_meta", "latency_cdf", "prediction_error", "read_lengths",
-           "request_timeline", "resolve_policy", "run", "simulate", "step_features", "step_timeline"]
+           "WorkloadRequest", "engine_meta", "read_lengths", "resolve_policy", "run", "simulate", "step_features",
+           *FIGURES]

@@ -17,8 +17,8 @@ quantities per operator; one linear model per step is the coarse version):
 
 `CostModel.fit(trace)` solves a least-squares problem on the recorded steps, weighted to
 minimise relative error (a 5 ms decode step matters as much as a 200 ms prefill), keeping
-every coefficient >= 0, and drops one-off outliers (a Triton compile, a CUDA graph capture)
-before refitting. The target is each step's wall time from the end of the step before
+every coefficient >= 0, and drops one-off outliers (a Triton compile, a CUDA graph capture:
+several times a step) before refitting. The target is each step's wall time from the end of the step before
 (`step_durations`), so per-step overhead outside the engine's phases is in the model too.
 """
 from __future__ import annotations
@@ -84,31 +84,41 @@ class CostModel:
     # ---- fitting -----------------------------------------------------------------------------
     @classmethod
     def fit(cls, traces, outlier_factor: float = 4.0) -> "CostModel":
-        """Fit on one Trace or a list of them (recorded by `run` or any Recorder). Steps whose
-        relative error is over `outlier_factor` times the median one are dropped (one-off work)."""
+        """Fit on one Trace or a list of them (recorded by `run` or any Recorder). Steps that
+        take over twice their prediction, and over `outlier_factor` times the median relative
+        error off, are dropped (one-off work)."""
         traces = traces if isinstance(traces, (list, tuple)) else [traces]
-        rows, targets = [], []
-        for trace in traces:
-            for step, seconds in zip(trace.steps, step_durations(trace)):
-                if seconds is not None and step.scheduled:
-                    rows.append(step_features(step.scheduled, swapped_blocks(step)))
-                    targets.append(seconds)
-        if len(rows) < len(FEATURES):
-            raise ValueError(f"need at least {len(FEATURES)} busy steps to fit a cost model, got {len(rows)}")
-        X, y = np.array(rows), np.array(targets)
-        keep = np.ones(len(y), dtype=bool)
-        for _ in range(3):   # fit, drop outliers, refit
-            weights = _nonnegative_relative_lstsq(X[keep], y[keep])
-            error = np.abs(X @ weights - y) / y
-            new_keep = error <= outlier_factor * max(np.median(error[keep]), 0.01)
+        steps = [(step.scheduled, seconds, swapped_blocks(step)) for trace in traces
+                 for step, seconds in zip(trace.steps, step_durations(trace)) if seconds is not None and step.scheduled]
+        return cls.fit_steps(steps, traces[0].meta.get("engine", traces[0].meta), outlier_factor)
+
+    @classmethod
+    def fit_steps(cls, steps, meta: dict | None = None, outlier_factor: float = 4.0) -> "CostModel":
+        """Fit on (scheduled items, seconds[, swapped blocks]) of steps timed any other way,
+        e.g. single forwards of a benchmark (`llmlab bench single-forward`)."""
+        if len(steps) < 2:
+            raise ValueError(f"need at least 2 timed steps to fit a cost model, got {len(steps)}")
+        X = np.array([step_features(items, *rest[1:]) for items, *rest in steps])
+        y = np.array([rest[0] for _, *rest in steps], dtype=float)
+        keep, scale = np.ones(len(y), dtype=bool), y
+        for _ in range(4):
+            weights = _nonnegative_lstsq(X[keep], y[keep], scale[keep])
+            # weigh each row by its *predicted* time next round: weighing by the measured one
+            # favours steps that happened to run fast, and latencies are sums of mean step times
+            scale = np.maximum(X @ weights, 1e-9)
+            error = np.abs(X @ weights - y) / scale
+            # one-off work is many times a step (a 2 s compile); a busy machine's jitter is not
+            new_keep = error <= max(outlier_factor * np.median(error[keep]), 1.0)
             if (new_keep == keep).all():
                 break
             keep = new_keep
-        error = np.abs(X[keep] @ weights - y[keep]) / y[keep]
-        meta = dict(traces[0].meta.get("engine", traces[0].meta))
+        error = np.abs(X[keep] @ weights - y[keep]) / y[keep]     # as measured, for the record
+        meta = dict(meta or {})
         meta["fit"] = {"num_steps": int(len(y)), "num_outliers": int((~keep).sum()),
                        "median_relative_error": float(np.median(error)),
-                       "p90_relative_error": float(np.percentile(error, 90))}
+                       "p90_relative_error": float(np.percentile(error, 90)),
+                       # the shapes it has seen: a simulation far outside them extrapolates
+                       "max": {name: float(value) for name, value in zip(FEATURES, X[keep].max(axis=0))}}
         return cls(dict(zip(FEATURES, weights.tolist())), meta)
 
     # ---- files -------------------------------------------------------------------------------
@@ -128,13 +138,12 @@ class CostModel:
         return cls(data["coefficients"], data.get("meta"))
 
 
-def _nonnegative_relative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin_w sum(((X w - y) / y)^2) with w >= 0: least squares on rows divided by y; a
-    term that comes out negative (noise, or a feature the data never varies) is set to 0
-    and the rest refitted, until none is negative (an active-set method, Lawson-Hanson style)."""
-    Xr, yr = X / y[:, None], np.ones_like(y)
-    active = np.ones(X.shape[1], dtype=bool)
-    active &= np.abs(X).sum(axis=0) > 0     # features that are always 0 stay out
+def _nonnegative_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """argmin_w sum(((X w - y) / scale)^2) with w >= 0: least squares on rows divided by their
+    scale (relative error); a term that comes out negative (noise, or a feature the data never
+    varies) is set to 0 and the rest refitted until none is (active set, Lawson-Hanson style)."""
+    Xr, yr = X / scale[:, None], y / scale
+    active = np.abs(X).sum(axis=0) > 0     # features that are always 0 stay out
     weights = np.zeros(X.shape[1])
     while active.any():
         solution, *_ = np.linalg.lstsq(Xr[:, active], yr, rcond=None)

@@ -11,7 +11,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from llmlab.experiments.result import Result
+from llmlab.experiments.cost_model import CostModel, swapped_blocks
+from llmlab.experiments.result import Result, step_durations
+from llmlab.experiments.workload import Workload
 from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS
 
 METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)"}
@@ -24,6 +26,38 @@ def _named(results) -> dict[str, Result]:
     if isinstance(results, dict):
         return dict(results)
     return {r.meta.get("label", f"run {i}"): r for i, r in enumerate(results)}
+
+
+def workload_figure(workload: Workload) -> go.Figure:
+    """Each request at its arrival time: prompt length up, output length as the marker size."""
+    requests = workload.requests
+    outputs = np.array([r.output_len for r in requests], dtype=float)
+    fig = go.Figure(go.Scatter(x=[r.arrival_time for r in requests], y=[len(r.prompt_token_ids) for r in requests],
+                               mode="markers", text=[f"request {r.request_id}: {r.output_len} output tokens"
+                                                     for r in requests],
+                               marker=dict(size=6 + 18 * outputs / outputs.max(), color=STATE_COLORS["prefill"],
+                                           opacity=0.7, line=dict(width=0))))
+    fig.update_layout(title=f"Workload: {len(requests)} requests (marker size = output length)",
+                      xaxis_title="arrival (s)", yaxis_title="prompt tokens", height=300, margin=dict(t=50, b=40))
+    return fig
+
+
+def step_predictions(trace, cost_model: CostModel) -> go.Figure:
+    """Every busy step of a recorded trace: measured wall time against the cost model's
+    prediction; on the diagonal the model is exact."""
+    points = [(cost_model.step_time(s.scheduled, swapped_blocks(s)) * 1e3, d * 1e3, s.num_prefill_tokens > 0)
+              for s, d in zip(trace.steps, step_durations(trace)) if d and s.scheduled]
+    fig = go.Figure()
+    for mixed, name, color in ((False, "decode-only steps", STATE_COLORS["decode"]),
+                               (True, "steps with a prompt chunk", STATE_COLORS["prefill"])):
+        chosen = [p for p in points if p[2] == mixed]
+        fig.add_trace(go.Scatter(x=[p[0] for p in chosen], y=[p[1] for p in chosen], mode="markers", name=name,
+                                 marker=dict(color=color, size=6, opacity=0.7)))
+    top = max((max(p[0], p[1]) for p in points), default=1.0)
+    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="exact", line=dict(color="#888", dash="dot")))
+    fig.update_layout(title="Step time: measured vs predicted", xaxis_title="predicted (ms)",
+                      yaxis_title="measured (ms)", height=360, margin=dict(t=50, b=40))
+    return fig
 
 
 def latency_cdf(results, metrics=("ttft", "tpot", "e2e")) -> go.Figure:
@@ -110,4 +144,22 @@ def prediction_error(measured: Result, predicted: Result,
                                          for e in errors]))
     fig.add_hrect(y0=-15, y1=15, fillcolor=STATE_COLORS["waiting"], opacity=0.25, line_width=0)
     fig.update_layout(title="Simulated vs measured", yaxis_title="error (%)", height=320, margin=dict(t=50, b=40))
+    return fig
+
+
+def sweep(results: dict, keys=("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"), parameter: str = "parameter",
+          slo: dict | None = None) -> go.Figure:
+    """Summary metrics against a swept parameter ({value: Result}): one panel per metric
+    kind (TTFT, TPOT, ...), one line per percentile."""
+    values = list(results)
+    summaries = [results[v].summary(slo) for v in values]
+    kinds = list(dict.fromkeys(k.split("_")[0] for k in keys))
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=[METRIC_TITLES.get(k, k) for k in kinds])
+    for i, key in enumerate(keys):
+        fig.add_trace(go.Scatter(x=values, y=[s[key] for s in summaries], name=key, mode="lines+markers",
+                                 line=dict(color=REQUEST_COLORS[i % len(REQUEST_COLORS)])),
+                      row=1, col=kinds.index(key.split("_")[0]) + 1)
+    fig.update_xaxes(title_text=parameter, type="log" if all(isinstance(v, (int, float)) and v > 0 for v in values)
+                     else "-")
+    fig.update_layout(title=f"Latency against {parameter}", height=340, margin=dict(t=60, b=40))
     return fig

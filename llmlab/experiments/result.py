@@ -203,14 +203,20 @@ class Result:
 def step_durations(trace: Trace) -> list[float | None]:
     """Wall time of each step: from the end of the step before to the end of this one, which
     includes what the phase timings miss (updating requests, detokenizing, the caller's loop).
-    None where the engine sat idle before the step (waiting for an arrival): the gap then is
-    much longer than the step's own phases, and tells nothing about the step."""
+    None where the engine sat idle before the step (waiting for an arrival), which `run`
+    writes down in trace.meta["idle_before_steps"]. A trace recorded some other way gets a
+    guess: a gap much longer than the step's own phases was idle time."""
+    idle = trace.meta.get("idle_before_steps")
+    idle = set(idle) if idle is not None else None
     durations, previous = [], None
     for s in trace.steps:
-        phases = sum(s.timings.values())
         gap = None if previous is None else s.time - previous
-        # 1.5x + 2 ms: post-step work is a small fraction of a step; an idle wait is not
-        durations.append(gap if gap is not None and 0 < gap <= 1.5 * phases + 0.002 else None)
+        if gap is not None and idle is None:
+            # 1.5x + 2 ms: post-step work is a small fraction of a step; an idle wait is not
+            busy = gap <= 1.5 * sum(s.timings.values()) + 0.002
+        else:
+            busy = idle is not None and s.step not in idle
+        durations.append(gap if gap is not None and gap > 0 and busy else None)
         previous = s.time
     return durations
 

@@ -50,7 +50,8 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         while engine.has_unfinished_requests():
             engine.step()
     previous_policy, engine.scheduler.policy = engine.scheduler.policy, key
-    recorder = Recorder(engine=engine_meta(engine), policy=getattr(policy, "__name__", str(policy)))
+    recorder = Recorder(engine=engine_meta(engine), policy=getattr(policy, "__name__", str(policy)),
+                        idle_before_steps=[])
     engine.hooks.attach(recorder)
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     arrivals, next_index = {}, 0
@@ -66,8 +67,9 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
                 next_index += 1
             if engine.has_unfinished_requests():
                 engine.step()
-            else:    # idle until the next arrival
+            else:    # idle until the next arrival; the next step's gap is no step's time
                 time.sleep(max(0.0, pending[next_index].arrival_time - now))
+                recorder.trace.meta["idle_before_steps"].append(engine.step_index)
     finally:
         engine.hooks.detach(recorder)
         engine.scheduler.policy = previous_policy
