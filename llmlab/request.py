@@ -34,6 +34,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0     # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # hash chain of its full blocks (prefix caching)
+    num_cached_blocks: int = 0       # leading blocks of block_table already in the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     sampling_seed: int = 0           # keys the sampler's noise: params.seed, or one the engine drew
     detokenizer: object = None       # IncrementalDetokenizer, set by the engine

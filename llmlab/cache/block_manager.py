@@ -80,15 +80,20 @@ class BlockManager:
                 else:
                     self.free_blocks.append(block)
         request.block_table = []
+        request.num_cached_blocks = 0
         return released
 
     # ---- prefix caching --------------------------------------------------------------
-    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        hashes, parent = [], None
-        for i in range(num_blocks):
-            parent = hash((parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
-            hashes.append(parent)
-        return hashes
+    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The hash chain of the request's first `num_blocks` full blocks. Each block is
+        hashed once, chained from the previous block's hash, and kept on the request: its
+        tokens never change, so neither does its hash (no per-step rebuild or re-hash)."""
+        hashes, bs = request.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(request.token_ids_between(i * bs, (i + 1) * bs)))))
+        return hashes[:num_blocks]
 
     def match_prefix(self, request: Request) -> int:
         """Share the cached blocks of the request's prompt prefix; returns the number of
@@ -96,9 +101,9 @@ class BlockManager:
         give the first output token), so a fully cached prompt reuses all but its last block."""
         if not self.enable_prefix_caching or request.block_table:
             return 0
-        usable = (len(request.all_token_ids) - 1) // self.block_size
+        usable = (request.num_tokens - 1) // self.block_size
         matched = []
-        for h in self._hashes(request.all_token_ids, usable):
+        for h in self.block_hashes(request, usable):
             block = self.cached_blocks.get(h)
             if block is None:
                 break
@@ -110,17 +115,25 @@ class BlockManager:
                 del self.evictable[block]
             self.ref_counts[block] += 1
         request.block_table = matched
+        request.num_cached_blocks = len(matched)
         return len(matched) * self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed full blocks so later requests can share them."""
+        """Register the request's blocks that filled since the last call, so later requests
+        can share them. O(new blocks): blocks before `request.num_cached_blocks` are done."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        for block, h in zip(request.block_table[:num_full], self._hashes(request.all_token_ids, num_full)):
+        start = request.num_cached_blocks
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request, num_full)
+        for i in range(start, num_full):
+            block, h = request.block_table[i], hashes[i]
             if self.block_hash[block] is None and h not in self.cached_blocks:
                 self.block_hash[block] = h
                 self.cached_blocks[h] = block
+        request.num_cached_blocks = num_full
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -146,6 +159,7 @@ class BlockManager:
         host = self.host_tables.pop(request.request_id)
         device = [self._take_block() for _ in host]
         request.block_table = device
+        request.num_cached_blocks = 0     # fresh blocks: registered again as they are computed
         self.free_host_blocks.extend(reversed(host))
         return list(zip(host, device))
 
