@@ -425,10 +425,10 @@ def test_stepper_steps_scrubs_and_resets(tiny_model):
     stepper.step(2)
     assert len(stepper.trace.steps) == 2
     assert list(stepper.figures["batch_composition"].data[1].y) == [6, 9]
-    assert stepper.figures["block_table"].layout.title.text.endswith(f"step {stepper.trace.steps[-1].step}")
+    assert stepper.figures["block_table"].layout.title.text.endswith(f"step {len(stepper.trace.steps) - 1}")
     stepper.show_step(0)
     assert list(stepper.figures["block_table"].data[0].y) == ["device pool", "req 0"]
-    assert stepper.figures["request_timeline"].layout.shapes[0].x0 == stepper.trace.steps[0].step
+    assert stepper.figures["request_timeline"].layout.shapes[0].x0 == 0
     stepper.add([7, 7, 7], GREEDY)
     stepper.run()
     assert stepper.done and len(stepper.outputs) == 3
@@ -456,7 +456,7 @@ def test_stepper_widget_updates_its_figures_in_place(tiny_model):
         assert list(views["batch_composition"].widget.data[1].y) == [6, 9]
     stepper._slider.value = 0
     assert stepper.position == 0
-    assert stepper.figures["block_table"].layout.title.text.endswith(f"step {stepper.trace.steps[0].step}")
+    assert stepper.figures["block_table"].layout.title.text.endswith("step 0")
     buttons["Reset"].click()
     assert not stepper.trace.steps
 

@@ -5,16 +5,18 @@
     viz.batch_composition(trace)          # a plotly Figure
     viz.Stepper(engine, workload)         # Step / Run N / Reset, figures updated in place
 
-figures.py holds the pure functions of a Trace that draw blocks and scheduling;
-timing_figures.py those that draw time (and a serving benchmark's report); model_figures.py
-those of tensors and kernel launches (attention, what each kernel computes
-and how it divides the work); widgets.py drives an engine; playground.py a bare BlockManager.
+figures.py holds the pure functions of a Trace that draw scheduling; block_figures.py the KV
+block table; timing_figures.py those that draw time (and a serving benchmark's report);
+model_figures.py those of tensors and kernel launches (attention, what each kernel computes
+and how it divides the work); widgets.py drives an engine; playground.py a bare BlockManager
+or exercise 09's allocator. Every figure numbers steps from the start of its trace.
 """
-from llmlab.viz.figures import (batch_composition, block_manager_state, block_table, cached_tokens, engine_state,
-                                memory_usage, request_color, request_states, request_timeline)
+from llmlab.viz.block_figures import block_manager_state, block_table, cached_tokens, engine_state
+from llmlab.viz.figures import batch_composition, memory_usage, request_color, request_states, request_timeline
 from llmlab.viz.model_figures import (Launch, attention_heatmap, attention_probs, decode_split_ranges, decode_splits,
                                       kernel_benchmark, online_softmax_steps, prefill_tile_schedule, prefill_tiles,
                                       program_map, record_launches, rope_rotation, token_distribution)
+from llmlab.viz.machine import is_busy, machine_info, machine_note
 from llmlab.viz.playground import BlockPlayground
 from llmlab.viz.timing_figures import (kernel_timings, latency_comparison, phase_timings, prefix_hits,
                                        request_latencies, serving_latency)
@@ -22,8 +24,8 @@ from llmlab.viz.widgets import Arrival, FigureView, Stepper, has_widget_frontend
 
 __all__ = ["Arrival", "BlockPlayground", "FigureView", "Launch", "Stepper", "attention_heatmap", "attention_probs",
            "batch_composition", "block_manager_state", "block_table", "cached_tokens", "decode_split_ranges",
-           "decode_splits", "engine_state", "has_widget_frontend", "kernel_benchmark", "kernel_timings",
-           "latency_comparison", "memory_usage", "online_softmax_steps", "phase_timings", "prefill_tile_schedule",
-           "prefill_tiles", "prefix_hits", "program_map", "record", "record_launches", "request_color",
-           "request_latencies", "request_states", "request_timeline", "rope_rotation", "serving_latency",
-           "token_distribution"]
+           "decode_splits", "engine_state", "has_widget_frontend", "is_busy", "kernel_benchmark", "kernel_timings",
+           "latency_comparison", "machine_info", "machine_note", "memory_usage", "online_softmax_steps",
+           "phase_timings", "prefill_tile_schedule", "prefill_tiles", "prefix_hits", "program_map", "record",
+           "record_launches", "request_color", "request_latencies", "request_states", "request_timeline",
+           "rope_rotation", "serving_latency", "token_distribution"]

@@ -293,14 +293,16 @@ def decode_splits(seq_lens: list[int], num_splits: int, block_n: int, block_tabl
 
 
 # ---- speed --------------------------------------------------------------------------------------
-def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True) -> go.Figure:
+def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True, machine: str | None = None) -> go.Figure:
     """Milliseconds per call, grouped by shape: rows of {"shape", "impl", "ms"} (the format
-    `llmlab bench kernels --out` writes). One bar trace per impl, in order of appearance."""
+    `llmlab bench kernels --out` writes). One bar trace per impl, in order of appearance.
+    `machine`: a line under the title saying what measured them (viz.machine_note())."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     ms = {(r["shape"], r["impl"]): r["ms"] for r in rows if "ms" in r}
     fig = go.Figure([go.Bar(name=impl, x=shapes, y=[ms.get((s, impl)) for s in shapes],
                             hovertemplate="%{x}<br>" + impl + ": %{y:.4g} ms<extra></extra>") for impl in impls])
-    fig.update_layout(barmode="group", title=title, yaxis_title="ms per call" + (" (log scale)" if log_y else ""),
+    fig.update_layout(barmode="group", title=title + (f"<br><sup>{machine}</sup>" if machine else ""),
+                      yaxis_title="ms per call" + (" (log scale)" if log_y else ""),
                       yaxis_type="log" if log_y else "linear", height=380, margin=dict(t=60, b=40))
     return fig

@@ -5,24 +5,54 @@ against request rate, and prefix-cache hits. Pure functions, like figures.py.
 from __future__ import annotations
 
 import math
+import statistics
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from llmlab.hooks import Trace
 from llmlab.viz.figures import SHARED, STATE_COLORS
+from llmlab.viz.machine import is_busy, machine_note
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 
 
-def phase_timings(trace: Trace) -> go.Figure:
-    """Milliseconds per engine phase (schedule, swap, prepare, forward, sample), stacked per step."""
-    steps = [s.step for s in trace.steps]
-    fig = go.Figure([go.Bar(name=phase, x=steps, y=[s.timings.get(phase, 0.0) * 1e3 for s in trace.steps])
+def phase_timings(trace: Trace | list[Trace]) -> go.Figure:
+    """Milliseconds per engine phase (schedule, swap, prepare, forward, sample), stacked per step.
+    Given several traces of one workload (repeats), each bar is the median over them and a
+    black tick spans the fastest to the slowest whole step; one run's times swing with the
+    machine's load. The subtitle says which machine measured them, and warns when it was busy."""
+    traces = [trace] if isinstance(trace, Trace) else list(trace)
+    num_steps = min((len(t.steps) for t in traces), default=0)
+    steps = list(range(num_steps))   # step i = trace.steps[i], as in figures.py
+    fig = go.Figure([go.Bar(name=phase, x=steps, y=[statistics.median(t.steps[i].timings.get(phase, 0.0) * 1e3
+                                                                      for t in traces) for i in steps])
                      for phase in PHASES])
-    fig.update_layout(barmode="stack", title="Time per phase", xaxis_title="engine step",
-                      yaxis_title="ms", height=320, margin=dict(t=50, b=40))
+    spread = None
+    if len(traces) > 1:
+        totals = [[sum(t.steps[i].timings.values()) * 1e3 for t in traces] for i in steps]
+        median_totals = [statistics.median(x) for x in totals]
+        fig.add_trace(go.Scatter(name="fastest..slowest run", x=steps, y=median_totals, mode="markers",
+                                 marker=dict(color="black", size=3), error_y=dict(
+                                     type="data", symmetric=False, array=[max(x) - m for x, m in zip(totals, median_totals)],
+                                     arrayminus=[m - min(x) for x, m in zip(totals, median_totals)])))
+        spread = max((max(x) / min(x) for x in totals if min(x) > 0), default=None)
+    runs = f" (median of {len(traces)} runs)" if len(traces) > 1 else " (one run)"
+    fig.update_layout(barmode="stack", title=timing_title("Time per phase" + runs, traces, spread),
+                      xaxis_title="engine step", yaxis_title="ms", height=340, margin=dict(t=70, b=40))
     return fig
+
+
+def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> str:
+    """A figure title with the machine that measured `traces` (recorded in their meta by
+    viz.record; else this machine, now) and a warning when it was busy."""
+    recorded = [t.meta["recorded_on"] for t in traces if t.meta.get("recorded_on")]
+    if recorded:   # a trace saved elsewhere (notebooks/data) names its machine in words
+        return f"{title}<br><sup>recorded on {recorded[0]}</sup>"
+    info = next((t.meta["machine"] for t in traces if t.meta.get("machine")), None)
+    busy_runs = [t.meta["machine"] for t in traces if t.meta.get("machine") and is_busy(t.meta["machine"])]
+    note = machine_note(busy_runs[0] if busy_runs else info, spread)
+    return f"{title}<br><sup>{note}</sup>"
 
 
 def kernel_timings(trace: Trace) -> go.Figure:
@@ -36,8 +66,8 @@ def kernel_timings(trace: Trace) -> go.Figure:
     names = sorted(totals, key=totals.get) + ["forward, outside kernels"]
     values = [totals[n] for n in names[:-1]] + [max(0.0, forward - sum(totals.values()))]
     fig = go.Figure(go.Bar(x=values, y=names, orientation="h", marker_color=STATE_COLORS["decode"]))
-    fig.update_layout(title="Time per kernel, whole trace", xaxis_title="ms", height=120 + 30 * len(names),
-                      margin=dict(t=50, b=40))
+    fig.update_layout(title=timing_title("Time per kernel, whole trace", [trace]), xaxis_title="ms",
+                      height=140 + 30 * len(names), margin=dict(t=70, b=40))
     return fig
 
 
@@ -80,7 +110,8 @@ def latency_comparison(traces: dict[str, Trace], ttft_requests=None, itl_request
     fig.add_trace(go.Bar(name="ITL worst", x=labels, y=[g[-1] * 1e3 if g else 0 for g in gaps],
                          marker_color=STATE_COLORS["preempted"]), row=1, col=2)
     fig.update_yaxes(title_text="ms")
-    fig.update_layout(title="Latency", barmode="group", height=340, margin=dict(t=70, b=40))
+    fig.update_layout(title=timing_title("Latency", list(traces.values())), barmode="group", height=360,
+                      margin=dict(t=90, b=40))
     return fig
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from llmlab.hooks import Recorder, Trace
 from llmlab.sampling import SamplingParams
-from llmlab.viz import figures
+from llmlab.viz import block_figures, figures
+from llmlab.viz.machine import machine_info
 
 
 def has_widget_frontend() -> bool:
@@ -34,6 +35,19 @@ def has_widget_frontend() -> bool:
     if kernel is None or not hasattr(kernel, "get_parent"):
         return False
     return "cellId" in (kernel.get_parent() or {}).get("metadata", {})
+
+
+def run_reporting_errors(log, fn) -> None:
+    """Run a button's action. An error prints as one line in `log` (the widget's Output):
+    "ValueError: out of KV blocks: need 3, 2 free", not a traceback inside the widget."""
+    from IPython.display import clear_output
+
+    with log:
+        clear_output()
+        try:
+            fn()
+        except Exception as error:   # noqa: BLE001 -- any failure of the student's action is shown, not raised
+            print(f"{type(error).__name__}: {error}")
 
 
 def _show(*figs):
@@ -70,6 +84,7 @@ def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> 
             step += 1
     finally:
         engine.hooks.detach(recorder)
+    recorder.trace.meta["machine"] = machine_info()   # after the run: its load is the run's
     return recorder.trace
 
 
@@ -78,7 +93,7 @@ def _engine_meta(engine) -> dict:
     return {"block_size": c.block_size, "max_num_batched_tokens": c.max_num_batched_tokens,
             "enable_chunked_prefill": c.enable_chunked_prefill,
             "enable_prefix_caching": c.enable_prefix_caching, "preemption_mode": c.preemption_mode,
-            "num_gpu_blocks": engine.block_manager.num_device_blocks}
+            "num_gpu_blocks": engine.block_manager.num_device_blocks, "machine": machine_info()}
 
 
 # ---- figures that update in place ------------------------------------------------------------
@@ -122,12 +137,17 @@ class FigureView:
 class Stepper:
     """Drive `engine` one step at a time and watch it: block table, batch composition and
     request timeline, redrawn after every step. `workload` (Arrivals) is queued on Reset; each
-    Arrival is added before the step whose index (counted from the reset) is its `step`."""
+    Arrival is added before the step whose index (counted from the reset) is its `step`.
+    Steps are numbered from the reset, 0 first, in the figures, the slider and the status.
+    chat=True sends text prompts (the Add box, `add(text)`) as a user message through the
+    model's chat template: an instruct model then answers instead of continuing the text."""
 
     FIGURES = ("block_table", "batch_composition", "request_timeline")
 
-    def __init__(self, engine, workload: list[Arrival] = (), figures: tuple = FIGURES, max_blocks: int = 64):
+    def __init__(self, engine, workload: list[Arrival] = (), figures: tuple = FIGURES, max_blocks: int = 64,
+                 chat: bool = False):
         self.engine, self.workload, self.names, self.max_blocks = engine, list(workload), figures, max_blocks
+        self.chat = chat
         self.recorder: Recorder | None = None
         self.figures: dict = {}
         self.outputs: dict = {}           # request id -> latest RequestOutput
@@ -154,6 +174,8 @@ class Stepper:
 
     def add(self, prompt, params: SamplingParams | None = None) -> str:
         """Add a request now; it is scheduled from the next step on."""
+        if self.chat and isinstance(prompt, str):
+            prompt = self.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         rid = self.engine.add_request(prompt, params or SamplingParams(max_tokens=16, temperature=0.0))
         self.refresh()
         return rid
@@ -193,13 +215,13 @@ class Stepper:
         trace, index = self.trace, self.position
         if index is None and trace.steps:
             index = len(trace.steps) - 1
-        current = trace.steps[index].step if trace.steps else None
+        current = index if trace.steps else None     # step i = trace.steps[i]
         out = {}
         if "block_table" in self.names:
             if trace.steps:
-                out["block_table"] = figures.block_table(trace, index, max_blocks=self.max_blocks)
+                out["block_table"] = block_figures.block_table(trace, index, max_blocks=self.max_blocks)
             else:
-                out["block_table"] = figures.block_table(figures.engine_state(self.engine),
+                out["block_table"] = block_figures.block_table(block_figures.engine_state(self.engine),
                                                          max_blocks=self.max_blocks,
                                                          title="KV block table (no step yet)")
         if "batch_composition" in self.names:
@@ -222,8 +244,11 @@ class Stepper:
         self._slider.value = last if self.position is None else self.position
         self._syncing = False
         stats = self.engine.kv_stats()
+        ran = len(self.trace.steps)
+        shown = ("no step yet" if not ran else
+                 f"showing step {last if self.position is None else self.position} of 0..{last}")
         self._status.value = (
-            f"<b>{len(self.trace.steps)} steps</b> &middot; {stats['num_running']} running, "
+            f"<b>{ran} step{'s' if ran != 1 else ''} run</b> ({shown}) &middot; {stats['num_running']} running, "
             f"{stats['num_waiting']} waiting, {stats['num_swapped']} swapped, "
             f"{len(self.pending)} still to arrive &middot; device blocks free "
             f"{stats['free_device_blocks']}/{stats['total_device_blocks']}"
@@ -248,10 +273,7 @@ class Stepper:
         self._views = {name: FigureView(fig) for name, fig in self.figures.items()}
 
         def action(fn):
-            def handler(_):
-                with self._log:
-                    fn()
-            return handler
+            return lambda _: run_reporting_errors(self._log, fn)
 
         step = widgets.Button(description="Step", button_style="primary", tooltip="run one engine step")
         run_n = widgets.Button(description="Run N", tooltip="run N engine steps")
@@ -268,16 +290,15 @@ class Stepper:
         add = widgets.Button(description="Add request", tooltip="add the prompt (greedy) to the engine")
         add.on_click(action(lambda: prompt.value and self.add(prompt.value, SamplingParams(
             max_tokens=max_tokens.value, temperature=0.0))))
-        self._slider = widgets.IntSlider(min=0, max=0, description="recorded step", continuous_update=False,
+        self._slider = widgets.IntSlider(min=0, max=0, description="step", continuous_update=False,
                                          style={"description_width": "initial"},
                                          layout=widgets.Layout(width="500px"))
         self._syncing = False
 
         def scrub(change):
             if not self._syncing:
-                with self._log:
-                    last = len(self.trace.steps) - 1
-                    self.show_step(None if change["new"] >= last else change["new"])
+                last = len(self.trace.steps) - 1
+                run_reporting_errors(self._log, lambda: self.show_step(None if change["new"] >= last else change["new"]))
         self._slider.observe(scrub, names="value")
         self._status, self._texts = widgets.HTML(), widgets.HTML()
         return widgets.VBox([widgets.HBox([step, run_n, n, reset]), widgets.HBox([prompt, max_tokens, add]),
