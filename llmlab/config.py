@@ -18,6 +18,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 class EngineConfig:
     model: str | None = None            # HF folder, .gguf file, or None = embedded SmolLM2
     dtype: str = "auto"                 # "auto" = bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"        # "auto" = dtype; "int8" | "fp8_e4m3" (CUDA, compute capability >= 8.9)
     device: str = "auto"                # "auto" = cuda if available else cpu
     backend: str = "auto"               # kernels: "reference" | "torch" | "triton"; "auto" follows the device
     block_size: int = 16                # tokens per KV block
@@ -62,6 +63,20 @@ class EngineConfig:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"EngineConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """int8 runs everywhere; fp8 e4m3 only where the GPU converts it (Ada, Hopper and newer)."""
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be auto, int8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            device = self.resolved_device()
+            if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device) < (8, 9):
+                raise ValueError(f"EngineConfig.kv_cache_dtype='fp8_e4m3' needs a CUDA GPU of compute capability "
+                                 f"8.9 or newer (device here: {self.device!r}); use 'int8'")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} does not support "
+                             "tensor_parallel_size > 1 yet; use 'auto'")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

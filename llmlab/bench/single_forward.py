@@ -106,7 +106,7 @@ def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
         inputs = engine.runner.prepare(plan)
         decode_ms = _time_cuda(lambda: engine.runner.forward(*inputs), repeats=20)
         if profile:
-            _profile(lambda: engine.model.forward(*inputs, engine.kv_cache.device),
+            _profile(lambda: engine.model.forward(*inputs, engine.kv_cache.device, engine.kv_cache.device_scales),
                      f"eager decode step, batch {batch_size}, context {seq_len}")
     finally:
         for r in requests:

@@ -60,7 +60,8 @@ class CudaGraphDecoder:
         self.seq_lens.fill_(1)
         self.block_tables.zero_()
         batch = self.batches[key] = self._batch(size, num_splits)
-        args = (self.input_ids[:size], self.positions[:size], batch, self.kv_cache.device)
+        args = (self.input_ids[:size], self.positions[:size], batch, self.kv_cache.device,
+                self.kv_cache.device_scales)   # a quantized cache's scales: fixed tensors, like the cache
         self.model.forward(*args)   # warm-up: compiles kernels, allocates cached tensors
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -287,10 +287,10 @@ class TensorParallelModel(LlamaModel):
 
     executor: TensorParallelExecutor
 
-    def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+    def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache, kv_scales=None) -> torch.Tensor:
         self.executor.send_forward(input_ids, positions, batch, kv_cache.shape[2])
-        try:
-            logits = super().forward(input_ids, positions, batch, kv_cache)
+        try:   # kv_scales is None: EngineConfig allows no quantized cache with tensor parallelism
+            logits = super().forward(input_ids, positions, batch, kv_cache, kv_scales)
         except BaseException as err:
             self.executor._fail(err)
         self.executor.wait_for_step(logits)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from llmlab.cache.block_manager import BlockManager
-from llmlab.cache.kv_cache import KVCache, num_blocks_for
+from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.runner import Runner
@@ -65,7 +65,7 @@ class LLMEngine:
         num_device, num_host = num_blocks_for(config, self.model_config, self.dtype, self.device,
                                               weights_bytes, self._profile_activation_bytes())
         self.kv_cache = KVCache(self.model_config, num_device, num_host, config.block_size,
-                                self.dtype, self.device)
+                                kv_cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
         # full attention equals sliding-window attention only within the window
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.sliding_window or 1 << 62,
@@ -166,6 +166,8 @@ class LLMEngine:
             "block_size": bm.block_size, "prefix_hit_rate": bm.prefix_hit_rate,
             "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
             "num_swapped": len(self.scheduler.swapped),
+            "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
+            "bytes_per_block": self.kv_cache.bytes_per_block,
         }
 
     # ---- one iteration ---------------------------------------------------------------
@@ -186,7 +188,8 @@ class LLMEngine:
             timings["prepare"], clock = self._lap(clock)
             if self.kernel_timing:   # eager, so that every kernel call is seen
                 with kernels.time_kernels() as kernel_timings:
-                    logits = self.model.forward(input_ids, positions, batch, self.kv_cache.device)
+                    logits = self.model.forward(input_ids, positions, batch, self.kv_cache.device,
+                                                self.kv_cache.device_scales)
             else:
                 logits = self.runner.forward(input_ids, positions, batch)
             timings["forward"], clock = self._lap(clock)

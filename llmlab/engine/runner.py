@@ -128,7 +128,7 @@ class Runner:
         if (self.graphs is not None and batch.num_prefill_tokens == 0 and self.model.taps is None
                 and self.graphs.can_run(num_seqs)):
             return self.graphs.run(input_ids, positions, batch)
-        return self.model.forward(input_ids, positions, batch, self.kv_cache.device)
+        return self.model.forward(input_ids, positions, batch, self.kv_cache.device, self.kv_cache.device_scales)
 
     def execute(self, plan: Plan) -> torch.Tensor:
         """Run the plan's forward; logits [len(plan.items), vocab], rows in plan.items order."""

@@ -145,16 +145,26 @@ def silu_mul(x, *, backend=None):
     return _call("silu_mul", backend, x)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None):
-    return _call("store_kv", backend, k, v, k_cache, v_cache, slot_mapping)
+# A quantized cache's scales are passed on only when there are some, so a full-precision
+# cache calls every implementation (and an override written before KV quantization) as before.
+def _scales(k_scales, v_scales):
+    return () if k_scales is None and v_scales is None else (k_scales, v_scales)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, backend=None):
-    return _call("prefill_attention", backend, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None, *, backend=None):
+    return _call("store_kv", backend, k, v, k_cache, v_cache, slot_mapping, *_scales(k_scales, v_scales))
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1, *, backend=None):
-    return _call("decode_attention", backend, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                      k_scales=None, v_scales=None, *, backend=None):
+    return _call("prefill_attention", backend, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                 *_scales(k_scales, v_scales))
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
+                     k_scales=None, v_scales=None, *, backend=None):
+    return _call("decode_attention", backend, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                 *_scales(k_scales, v_scales))
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, backend=None):

@@ -1,11 +1,17 @@
 """Pure-torch specification of every llmlab kernel.
 
-Each function here is the readable definition that the Triton kernels are tested
-against, and it is also the `"torch"` backend the engine runs on a CPU. Inputs may be
+Each function here is the readable definition that the "torch" backend and the Triton
+kernels are tested against (and the "reference" backend, run as it is). Inputs may be
 fp32, fp16 or bf16; math is done in fp32 and the result is cast back to the input dtype.
 
 Shapes: T tokens in the flat batch, H query heads, Hkv kv heads, D head dim,
 caches [num_blocks, block_size, Hkv, D], block_tables int32 [S, max_blocks_per_seq].
+
+A quantized cache (int8, or fp8 e4m3) holds codes, and beside each cache a float32
+side tensor of scales [num_blocks, block_size, Hkv]: one per token per kv head, laid out
+like the blocks, so whatever moves a block moves its scales with the same block id.
+store_kv, prefill_attention and decode_attention take them as k_scales / v_scales
+(None, the default, for a full-precision cache). See kernels_explained/kv_quantization.md.
 """
 from __future__ import annotations
 
@@ -78,25 +84,86 @@ def silu_mul(x):
     return F.silu(gate) * up
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
+# ----------------------------------------------------------------------------- KV quantization
+
+# The largest code of each quantized cache dtype: a row's absmax maps onto it.
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# An all-zero row would divide by zero: its absmax is taken to be at least this.
+QUANT_EPS = 1e-12
+
+
+def is_quantized(cache) -> bool:
+    return cache.dtype in QUANT_MAX
+
+
+def check_scales(k_cache, v_cache, k_scales, v_scales) -> bool:
+    """True for a quantized cache with its scales, False for a full-precision cache without;
+    anything else is a mistake worth a clear message."""
+    quantized = is_quantized(k_cache)
+    if not quantized:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"scales were given for a {k_cache.dtype} cache; only int8/fp8 caches have them")
+        return False
+    if k_scales is None or v_scales is None:
+        raise ValueError(f"a {k_cache.dtype} cache needs k_scales and v_scales")
+    for scales in (k_scales, v_scales):
+        if scales.shape != k_cache.shape[:3] or scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {tuple(k_cache.shape[:3])} "
+                             f"(one per token per kv head), got {scales.dtype} {tuple(scales.shape)}")
+    return True
+
+
+def quantize(x, dtype):
+    """Symmetric absmax quantization of each row (the last dim, one token's kv head):
+    x ~= codes * scales[..., None]. Returns codes [..., D] of `dtype` (int8: round half up,
+    in [-127, 127]; fp8 e4m3: the nearest value in [-448, 448]) and scales [...] float32."""
+    qmax = QUANT_MAX[dtype]
+    x = x.float()
+    absmax = x.abs().amax(-1).clamp(min=QUANT_EPS)
+    y = x * (qmax / absmax)[..., None]          # the row's largest value lands on +-qmax
+    if dtype == torch.int8:
+        y = torch.floor(y + 0.5)
+    return y.clamp(-qmax, qmax).to(dtype), absmax / qmax
+
+
+def dequantize(codes, scales):
+    """codes [..., D] * scales [...] -> float32 [..., D]."""
+    return codes.float() * scales[..., None]
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):
     """Write token t's k/v rows into cache slot slot_mapping[t] (block = slot // block_size,
     offset = slot % block_size); slots < 0 are padding and skipped. In place, returns None.
-    k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T]."""
+    A quantized cache stores quantize(row) and the row's scale at the same slot.
+    k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T];
+    k_scales, v_scales [num_blocks, block_size, Hkv] float32 (quantized caches only)."""
+    quantized = check_scales(k_cache, v_cache, k_scales, v_scales)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    if not quantized:
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+        return
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        codes, row_scales = quantize(x[keep], cache.dtype)
+        cache.view(-1, *cache.shape[2:])[slots] = codes
+        scales.view(-1, scales.shape[2])[slots] = row_scales
 
 
-def gather_kv(cache, block_table, seq_len):
-    """The first seq_len cached rows of one sequence, in order: [seq_len, Hkv, D]."""
+def gather_kv(cache, block_table, seq_len, scales=None):
+    """The first seq_len cached rows of one sequence, in order: [seq_len, Hkv, D]
+    (dequantized to float32 when the cache's scales are given)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())   # [n, block_size, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    table = block_table[:num_blocks].long()
+    rows = cache.index_select(0, table).reshape(-1, *cache.shape[2:])[:seq_len]   # [n * block_size, Hkv, D]
+    if scales is None:
+        return rows
+    return dequantize(rows, scales.index_select(0, table).reshape(-1, cache.shape[2])[:seq_len])
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                      k_scales=None, v_scales=None):
     """Causal attention of each sequence's new query tokens over its whole cached context.
 
     Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1] (its newest tokens, whose
@@ -104,8 +171,10 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     at position seq_lens[i] - num_queries + j and sees keys 0..that position. A chunk of
     a long prompt therefore attends to the chunks before it (chunked prefill), and a
     cached prefix is reused without recomputation (prefix caching).
+    A quantized cache is read as dequantize(codes, scales).
     q [T, H, D] -> out [T, H, D].
     """
+    check_scales(k_cache, v_cache, k_scales, v_scales)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -113,18 +182,20 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         start, end = cu[i], cu[i + 1]
         if end == start:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len).float()
-        v = gather_kv(v_cache, block_tables[i], seq_len).float()
+        k = gather_kv(k_cache, block_tables[i], seq_len, k_scales).float()
+        v = gather_kv(v_cache, block_tables[i], seq_len, v_scales).float()
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         out[start:end] = _attend(q[start:end].float(), k, v, mask, scale).to(q.dtype)
     return out
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
+                     k_scales=None, v_scales=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens.
     `num_splits` only changes how a kernel divides the work; the result is the same.
-    q [S, H, D] -> out [S, H, D]."""
+    A quantized cache is read as dequantize(codes, scales). q [S, H, D] -> out [S, H, D]."""
+    check_scales(k_cache, v_cache, k_scales, v_scales)
     num_seqs = q.shape[0]
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -135,6 +206,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     tables = block_tables[:, :num_blocks].long().flatten()
     k = k_cache.index_select(0, tables).view(num_seqs, -1, *k_cache.shape[2:])[:, :max_len].float()
     v = v_cache.index_select(0, tables).view(num_seqs, -1, *v_cache.shape[2:])[:, :max_len].float()
+    if k_scales is not None:
+        k = dequantize(k, k_scales.index_select(0, tables).view(num_seqs, -1, k_cache.shape[2])[:, :max_len])
+        v = dequantize(v, v_scales.index_select(0, tables).view(num_seqs, -1, k_cache.shape[2])[:, :max_len])
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [S, L]
     # rows past a sequence's end are whatever the cache holds there (maybe NaN). Their
     # scores are masked to -inf below, but a NaN value row would still poison the weighted

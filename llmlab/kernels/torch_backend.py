@@ -6,11 +6,13 @@ against the reference like the Triton kernels are. What changes:
 
 - rope computes its cos/sin table once per forward (every layer passes the same
   `positions` tensor) and rotates with one `roll` instead of slicing and concatenating;
-- store_kv is one `index_copy_` per cache when no slot is padding;
+- store_kv is one `index_copy_` per cache when no slot is padding (for a quantized cache,
+  after quantizing the rows, and one more for their scales);
 - attention gathers each sequence's blocks with one `index_select` and hands them to
   `F.scaled_dot_product_attention` (FlashAttention's CPU kernel); decode treats the G query
   heads that share a kv head as G queries of that head, so no kv head is repeated, and
   gathers sequences of similar length together, so short ones are not padded to the longest.
+  A quantized cache is dequantized as it is gathered, into those same per-step copies.
 """
 from __future__ import annotations
 
@@ -62,17 +64,35 @@ def rope(q, k, positions, theta, scaling=None):
     return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):
+    quantized = reference.check_scales(k_cache, v_cache, k_scales, v_scales)
     if slot_mapping.numel() == 0:
         return
     if int(slot_mapping.min()) < 0:   # padding tokens: the reference skips them
-        return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    if not quantized:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        codes, row_scales = reference.quantize(x, cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, codes)
+        scales.view(-1, scales.shape[2]).index_copy_(0, slots, row_scales)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def gather_blocks(cache, tables, scales, dtype):
+    """cache[tables] as `dtype` ([len(tables), block_size, Hkv, D]), dequantized when the
+    cache's scales are given."""
+    blocks = cache.index_select(0, tables)
+    if scales is None:
+        return blocks
+    return reference.dequantize(blocks, scales.index_select(0, tables)).to(dtype)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                      k_scales=None, v_scales=None):
+    reference.check_scales(k_cache, v_cache, k_scales, v_scales)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     grouped = q.shape[1] != k_cache.shape[2]
@@ -80,8 +100,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         start, end = cu[i], cu[i + 1]
         if end == start:
             continue
-        k = reference.gather_kv(k_cache, block_tables[i], seq_len).transpose(0, 1)   # [Hkv, L, D]
-        v = reference.gather_kv(v_cache, block_tables[i], seq_len).transpose(0, 1)
+        k = reference.gather_kv(k_cache, block_tables[i], seq_len, k_scales).to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
+        v = reference.gather_kv(v_cache, block_tables[i], seq_len, v_scales).to(q.dtype).transpose(0, 1)
         num_queries = end - start
         mask = None
         if num_queries < seq_len:   # a chunk after cached context: causal, bottom-right aligned
@@ -140,7 +160,9 @@ def decode_layout(block_tables, seq_lens, block_size):
     return per_forward("decode", (block_tables, seq_lens), block_size, compute)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
+                     k_scales=None, v_scales=None):
+    reference.check_scales(k_cache, v_cache, k_scales, v_scales)
     num_seqs, heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -149,8 +171,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     out = None
     for index, tables, length, valid, stale in decode_layout(block_tables, seq_lens, block_size):
         rows = valid.shape[0]
-        k = k_cache.index_select(0, tables).view(rows, length, kv_heads, head_dim)
-        v = v_cache.index_select(0, tables).view(rows, length, kv_heads, head_dim)
+        k = gather_blocks(k_cache, tables, k_scales, q.dtype).view(rows, length, kv_heads, head_dim)
+        v = gather_blocks(v_cache, tables, v_scales, q.dtype).view(rows, length, kv_heads, head_dim)
         # rows past a sequence's end hold whatever the cache has there, maybe NaN, which the
         # mask cannot hide (NaN * 0 = NaN): zero them in the gathered copies
         k.view(rows * length, -1).index_fill_(0, stale, 0)

@@ -7,6 +7,11 @@ to 16 rows, the smallest the tensor cores take). When there are too few such pro
 to fill the GPU and the context is long, v2 also splits the context into `num_splits`
 ranges of whole tiles: each program writes its range's normalized partial output and
 log-sum-exp, and a second kernel combines the ranges (Dao et al., "Flash-Decoding").
+
+From a quantized cache (int8 or fp8 codes, one float32 scale per token per kv head) a
+tile is dequantized in registers, folded into the two products: codes convert exactly to
+the query's dtype, the key scales multiply the score columns, and the value scales the
+probabilities' columns before P @ V. The cache is read as 8-bit codes and never rewritten.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import math
 import torch
 
 from . import enable_interpreter_if_no_cuda
+from .reference import check_scales
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
@@ -24,11 +30,11 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
                  start_n, seq_len, qk_scale,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
                  MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     """Fold keys start_n .. start_n + BLOCK_N into the running softmax of every query
     head of the group; only a MASKED (last, partial) tile checks the seq_len bound."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -40,8 +46,15 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_h
     v_offs = block_idx * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
     k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    if QUANTIZED:
+        s_offs = block_idx * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kv_head
+        k_scale = tl.load(k_scales_ptr + s_offs, mask=in_seq, other=0.0)  # [BLOCK_N] float32
+        v_scale = tl.load(v_scales_ptr + s_offs, mask=in_seq, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # codes (|c| <= 127, or e4m3 values) are exact in q's dtype
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
+    if QUANTIZED:
+        scores = scores * k_scale[None, :]  # q . (c_n * s_n) = (q . c_n) * s_n
     if MASKED:
         scores = tl.where(in_seq[None, :], scores, float("-inf"))
     # Running max in scaled log2 units; scaling inside exp2's argument makes it one FMA.
@@ -49,6 +62,8 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_h
     p = tl.exp2(scores * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if QUANTIZED:
+        p = p * v_scale[None, :]  # sum_n p_n (c_n * s_n) = sum_n (p_n * s_n) c_n
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -58,14 +73,14 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_h
 @triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, k_scales_ptr, v_scales_ptr,
     qk_scale,
     stride_qs, stride_qh, stride_os, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_table,
     num_heads, num_queries_per_kv, num_splits,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,16 +111,16 @@ def _decode_attention_kernel(
     table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
     for start_n in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
             start_n, seq_len, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
     for start_n in range(full_end, end, BLOCK_N):  # at most one partial tile
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
             start_n, seq_len, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
 
     # An empty range (a split past the end of a short sequence) has l_i = 0: it writes a
     # zero output and lse = -inf, which the reduce weighs by exp2(-inf) = 0.
@@ -163,19 +178,27 @@ def _launch_config(head_dim, dtype, device):
     return 64, 4, 2
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
+                     k_scales=None, v_scales=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens (v1, or
-    v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits).
-    See kernels_explained/decode_attention.md."""
+    v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits), from a
+    full-precision or a quantized cache. See kernels_explained/decode_attention.md."""
     # q:            [num_seqs, num_heads, head_dim]
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
     # seq_lens:     [num_seqs] int
+    # k/v_scales:   [num_blocks, block_size, num_kv_heads] float32, quantized caches only
     # returns out:  [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    quantized = check_scales(k_cache, v_cache, k_scales, v_scales)
+    assert v_cache.dtype == k_cache.dtype and (quantized or k_cache.dtype == q.dtype)
+    if quantized:
+        assert k_scales.stride() == v_scales.stride() and k_scales.stride(-1) == 1
+    else:
+        k_scales = v_scales = k_cache  # not read: QUANTIZED=False compiles the plain kernel
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
     assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, f"head_dim {head_dim} must be a power of two >= 16"
     assert (block_size & (block_size - 1)) == 0, f"block_size {block_size} must be a power of two"
@@ -202,17 +225,18 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     else:
         partial_out = partial_lse = out  # unused when SPLIT=False
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
         scale * math.log2(math.e),  # softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e)
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
         block_tables.stride(0),
         num_heads, group, num_splits,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
-        num_warps=num_warps, num_stages=num_stages,
+        QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_heads)](

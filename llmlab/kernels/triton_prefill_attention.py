@@ -10,6 +10,10 @@ chunk attend to earlier chunks and to a cached prefix (chunked prefill, prefix c
 The grid is (query tiles of all sequences, heads). Each program finds its sequence from
 cu_seqlens_q on the GPU, so a launch never waits for the host to read the query lengths
 (and can be captured in a CUDA graph).
+
+A quantized cache (int8 or fp8 codes, a float32 scale per token per kv head) is
+dequantized in registers as in decode: codes convert exactly to the query's dtype, key
+scales multiply the score columns, value scales the probabilities' columns before P @ V.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import math
 import torch
 
 from . import enable_interpreter_if_no_cuda
+from .reference import check_scales
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
@@ -27,11 +32,11 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
                  start_n, seq_len, query_pos, qk_scale,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
                  MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     """Fold keys start_n .. start_n + BLOCK_N into the running softmax (m_i, l_i, acc).
     MASKED tiles apply the causal mask and the seq_len bound; the others need neither."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -43,8 +48,15 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_h
     v_offs = block_idx * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
     k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    if QUANTIZED:
+        s_offs = block_idx * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kv_head
+        k_scale = tl.load(k_scales_ptr + s_offs, mask=in_seq, other=0.0)  # [BLOCK_N] float32
+        v_scale = tl.load(v_scales_ptr + s_offs, mask=in_seq, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # codes (|c| <= 127, or e4m3 values) are exact in q's dtype
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if QUANTIZED:
+        scores = scores * k_scale[None, :]  # q . (c_n * s_n) = (q . c_n) * s_n
     if MASKED:
         visible = (offs_n[None, :] <= query_pos[:, None]) & in_seq[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -53,6 +65,8 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_h
     p = tl.exp2(scores * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if QUANTIZED:
+        p = p * v_scale[None, :]  # sum_n p_n (c_n * s_n) = sum_n (p_n * s_n) c_n
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -78,13 +92,14 @@ def _find_query_tile(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_M: tl.constexpr, BL
 @triton.jit(do_not_specialize=["stride_table", "num_seqs"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    k_scales_ptr, v_scales_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_table,
     num_seqs, num_queries_per_kv,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     # Number the tiles backwards: a sequence's last tiles see the most keys, and starting
     # them first keeps the longest programs out of the final wave (causal load balance).
@@ -120,19 +135,19 @@ def _prefill_attention_kernel(
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
     for start_n in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
             start_n, seq_len, query_pos, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+            False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
     # Causal upper bound: the tile's last row sees keys up to its own position; tiles
     # beyond it would be fully masked and are skipped.
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for start_n in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
             start_n, seq_len, query_pos, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+            True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
 
     out = acc / l_i[:, None]  # every real row saw at least key 0, so l_i > 0
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -150,20 +165,28 @@ def _launch_config(head_dim, dtype, device):
     return 128, 128, 8, 3
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
-    """Causal attention of each sequence's new query tokens over its whole paged context.
-    See kernels_explained/prefill_attention.md."""
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                      k_scales=None, v_scales=None):
+    """Causal attention of each sequence's new query tokens over its whole paged context,
+    from a full-precision or a quantized cache. See kernels_explained/prefill_attention.md."""
     # q:            [num_tokens, num_heads, head_dim]   queries of all sequences, concatenated
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
     # cu_seqlens_q: [num_seqs + 1] int   sequence i owns q rows cu[i]:cu[i+1]
     # seq_lens:     [num_seqs] int       cached tokens of sequence i, this chunk included
+    # k/v_scales:   [num_blocks, block_size, num_kv_heads] float32, quantized caches only
     # returns out:  [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    quantized = check_scales(k_cache, v_cache, k_scales, v_scales)
+    assert v_cache.dtype == k_cache.dtype and (quantized or k_cache.dtype == q.dtype)
+    if quantized:
+        assert k_scales.stride() == v_scales.stride() and k_scales.stride(-1) == 1
+    else:
+        k_scales = v_scales = k_cache  # not read: QUANTIZED=False compiles the plain kernel
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
     assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, f"head_dim {head_dim} must be a power of two >= 16"
     assert (block_size & (block_size - 1)) == 0, f"block_size {block_size} must be a power of two"
@@ -183,16 +206,17 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     # so this bounds the total without reading the lengths on the host.
     grid = (triton.cdiv(num_tokens, block_m) + num_seqs, num_heads)
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, k_scales, v_scales,
         scale * math.log2(math.e),  # softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e)
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
         block_tables.stride(0),
         num_seqs, num_heads // num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=max(16, triton.next_power_of_2(num_seqs)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
-        num_warps=num_warps, num_stages=num_stages,
+        QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages,
     )
     return out

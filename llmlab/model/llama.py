@@ -69,8 +69,9 @@ class LlamaModel:
 
     # ---- forward -------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache) -> torch.Tensor:
-        """input_ids, positions [T]; kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D].
+    def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache, kv_scales=None) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D];
+        kv_scales [num_layers, 2, num_blocks, block_size, Hkv] for an int8/fp8 cache, else None.
         Returns logits [S, vocab] (float32) for each sequence's last token."""
         cfg, b = self.config, self.backend
         if self.tp_group is None:
@@ -84,7 +85,8 @@ class LlamaModel:
                 x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, backend=b), hidden
             else:
                 x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual, backend=b)
-            hidden = self.attention(i, layer, x, positions, batch, kv_cache[i, 0], kv_cache[i, 1])
+            scales = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            hidden = self.attention(i, layer, x, positions, batch, kv_cache[i, 0], kv_cache[i, 1], *scales)
             self._tap(f"layers.{i}.attn", hidden)
             x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
             hidden = linear(kernels.silu_mul(linear(x, layer.gate_up), backend=b), layer.down)
@@ -102,7 +104,7 @@ class LlamaModel:
         self._tap("logits", logits)
         return logits
 
-    def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache):
+    def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
         cfg, b = self.config, self.backend
         num_tokens, heads, kv_heads, head_dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(x, layer.qkv, layer.qkv_bias)
@@ -114,17 +116,17 @@ class LlamaModel:
         self._tap(f"layers.{i}.k", k)
         self._tap(f"layers.{i}.v", v)
         q, k = kernels.rope(q, k, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)
-        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, backend=b)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scales, v_scales, backend=b)
         p = batch.num_prefill_tokens
         parts = []
         if p > 0:
             parts.append(kernels.prefill_attention(
                 q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_cu_seqlens_q,
-                batch.prefill_seq_lens, self.scale, backend=b))
+                batch.prefill_seq_lens, self.scale, k_scales, v_scales, backend=b))
         if num_tokens > p:
             parts.append(kernels.decode_attention(
                 q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
-                self.scale, batch.num_splits, backend=b))
+                self.scale, batch.num_splits, k_scales, v_scales, backend=b))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
         if self.tp_group is not None:   # row-parallel o_proj: sum the ranks' partial outputs
