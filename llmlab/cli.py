@@ -103,6 +103,7 @@ BENCHMARKS = {
     "offline": "llmlab.bench.offline",
     "serving": "llmlab.bench.serving",
     "hooks": "llmlab.bench.hooks",
+    "kv-quant": "llmlab.bench.kv_quant",
     "calibrate": "llmlab.bench.calibrate",
     "head-of-line": "llmlab.bench.head_of_line",
 }
