@@ -16,7 +16,7 @@ from llmlab.experiments.result import Result, step_durations
 from llmlab.experiments.workload import Workload
 from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS
 
-METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)"}
+METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)", "itl": "inter-token latency (s)"}
 SUMMARY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")
 
 

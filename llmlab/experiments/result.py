@@ -5,7 +5,8 @@ real run (`run`) and a simulated one (`simulate`) alike, so the two compare dire
 
   TTFT  time to first token: arrival -> first token (queueing + prefill);
   TPOT  time per output token after the first: (finish - first token) / (tokens - 1);
-  E2E   end-to-end latency: arrival -> last token.
+  E2E   end-to-end latency: arrival -> last token;
+  ITL   inter-token latency: every gap between two consecutive tokens of a request.
 
 With an SLO (limits on TTFT and/or TPOT, in seconds), `slo_attainment` is the fraction of
 requests that meet every limit, and `goodput_req_s` the rate of such requests: DistServe's
@@ -104,6 +105,12 @@ class Result:
         for key, quantiles in (("ttft", (50, 90, 99)), ("tpot", (50, 90, 99)), ("e2e", (50, 90, 99))):
             for q in quantiles:
                 out[f"{key}_p{q}"] = percentile(key, q)
+        # every gap between two tokens of a request (vLLM's ITL, SARATHI's TBT): its tail shows
+        # the decodes stalled behind a long prompt chunk, which TPOT's per-request mean hides
+        gaps = [np.diff(np.frombuffer(r.token_times)) for r in done if len(r.token_times) > 1]
+        gaps = np.concatenate(gaps) if gaps else np.empty(0)
+        for q in (50, 90, 99):
+            out[f"itl_p{q}"] = float(np.percentile(gaps, q)) if len(gaps) else float("nan")
         out["output_tok_s"] = output_tokens / duration if duration > 0 else float("nan")
         out["request_s"] = len(done) / duration if duration > 0 else float("nan")
         out["num_preemptions"] = sum(r.num_preemptions for r in self.requests)
