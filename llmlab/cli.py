@@ -105,6 +105,7 @@ BENCHMARKS = {
     "hooks": "llmlab.bench.hooks",
     "kv-quant": "llmlab.bench.kv_quant",
     "calibrate": "llmlab.bench.calibrate",
+    "simulate": "llmlab.bench.simulate",
     "head-of-line": "llmlab.bench.head_of_line",
 }
 
