@@ -1,6 +1,11 @@
 """offline throughput (nano-vllm's benchmark): N requests with random input and output
 lengths, EOS ignored; output tokens/s for llmlab, and for HF transformers' batched
-`generate` in the same run when --hf is given."""
+`generate` in the same run when --hf is given.
+
+What users run is measured too: sampling settings (--temperature/--top-p/--top-k/--min-p/
+--seed, and more settings side by side with --compare), prefix caching on and off in the
+same process (--compare-prefix-caching), and prompts that share a prefix (--prefix-len,
+--num-prefixes)."""
 from __future__ import annotations
 
 import json
@@ -22,46 +27,112 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hf-num-requests", type=int, default=None,
                         help="time HF on only the first N requests (it is slow); default all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts and lengths")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="every prompt starts with one of --num-prefixes shared prefixes of this many tokens")
+    parser.add_argument("--num-prefixes", type=int, default=1)
+    sampling = parser.add_argument_group("sampling (one setting; --compare adds more, run in the same process)")
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--seed", type=int, default=None, help="SamplingParams.seed of every request (default: none)")
+    sampling.add_argument("--compare", nargs="+", default=[], metavar="SETTING",
+                          help='more settings, e.g. greedy "temperature=0.7,top_p=0.9" "temperature=0.7,top_p=0.9,seed=1"')
+    parser.add_argument("--compare-prefix-caching", action="store_true",
+                        help="run every setting with prefix caching off, then on")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    # engine flags from EngineConfig (a bigger batch than the engine's default); --seed above is the workload's
+    # engine flags from EngineConfig (a bigger batch than the engine's default); --seed above is the sampler's
     add_engine_arguments(parser, defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
                          exclude=("model", "seed"))
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+
+
+def sampling_settings(args) -> list[dict]:
+    """The command line's setting, then each --compare one ("greedy" or key=value,...)."""
+    settings = [{k: getattr(args, k) for k in SAMPLING_KEYS}]
+    for spec in args.compare:
+        setting = dict(settings[0], temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None)
+        if spec != "greedy":
+            for item in spec.split(","):
+                key, _, value = item.partition("=")
+                if key not in SAMPLING_KEYS:
+                    raise ValueError(f"--compare: unknown sampling key {key!r}; use {', '.join(SAMPLING_KEYS)}")
+                setting[key] = int(value) if key in ("top_k", "seed") else float(value)
+        settings.append(setting)
+    return settings
+
+
+def describe(setting: dict) -> str:
+    if setting["temperature"] == 0:
+        return "greedy"
+    return ", ".join(f"{k}={v}" for k, v in setting.items() if v is not None and (k == "temperature" or v != {
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0}.get(k)))
+
+
 def workload(args, vocab_size: int):
-    """(prompt token ids, output length) per request; ids avoid the first 16 (special) tokens."""
-    rng = random.Random(args.seed)
+    """(prompt token ids, output length) per request; ids avoid the first 16 (special) tokens.
+    With --prefix-len, request i's prompt is shared prefix i % --num-prefixes, then its own
+    tokens."""
+    rng = random.Random(args.workload_seed)
+    prefixes = [[rng.randint(16, vocab_size - 1) for _ in range(args.prefix_len)]
+                for _ in range(args.num_prefixes if args.prefix_len else 0)]
     requests = []
-    for _ in range(args.num_requests):
+    for i in range(args.num_requests):
         n_in = args.input_len or rng.randint(args.min_len, args.max_len)
         n_out = args.output_len or rng.randint(args.min_len, args.max_len)
-        requests.append(([rng.randint(16, vocab_size - 1) for _ in range(n_in)], n_out))
+        prefix = prefixes[i % len(prefixes)] if prefixes else []
+        requests.append((prefix + [rng.randint(16, vocab_size - 1) for _ in range(n_in)], n_out))
     return requests
 
 
-def build_llm(args):
+def build_llm(args, **overrides):
     import llmlab
     from llmlab.bench.single_forward import random_engine
     from llmlab.config import engine_kwargs
 
+    kwargs = dict(engine_kwargs(args), **overrides)
     if args.model == "random-llama3-8b":
-        return random_engine(args)[0]
-    return llmlab.LLM(args.model, **engine_kwargs(args))
+        return random_engine(args, engine_args=kwargs)[0]
+    return llmlab.LLM(args.model, **kwargs)
 
 
-def run_llmlab(llm, requests) -> dict:
+def run_llmlab(llm, requests, setting: dict) -> dict:
     from llmlab import SamplingParams
 
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
-    llm.generate([requests[0][0][:16]], SamplingParams(max_tokens=4))   # warm-up
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **setting) for _, n in requests]
+    llm.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, **setting))   # warm-up
+    llm.engine.block_manager.reset_prefix_cache()     # each setting starts from a cold cache
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in requests], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     assert tokens == sum(n for _, n in requests)
-    return {"impl": "llmlab", "seconds": elapsed, "output_tokens": tokens,
+    stats = llm.engine.kv_stats()
+    return {"impl": "llmlab", "sampling": describe(setting),
+            "prefix_caching": llm.engine.config.enable_prefix_caching,
+            "prefix_hit_rate": stats["prefix_hit_rate"], "seconds": elapsed, "output_tokens": tokens,
             "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+def machine_name(device: str) -> str:
+    """The GPU's name, or the CPU model and core count (CPU numbers vary by host)."""
+    import os
+
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        model = platform.processor() or "cpu"
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
 def hf_model(args, dtype, device):
@@ -116,30 +187,40 @@ def run_hf(model, requests, batch_size, device) -> dict:
 
 def main(args) -> list[dict]:
     import gc
-    import platform
 
     import torch
 
-    llm = build_llm(args)
-    engine = llm.engine
-    dtype, device, backend = engine.dtype, engine.device.type, engine.backend
-    requests = workload(args, engine.model_config.vocab_size)
-    results = [run_llmlab(llm, requests)]
-    del llm, engine
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    settings = sampling_settings(args)
+    caching = [False, True] if args.compare_prefix_caching else [None]   # None: the flags' choice
+    results, vocab, meta = [], None, None
+    for enable in caching:
+        llm = build_llm(args, **({} if enable is None else {"enable_prefix_caching": enable}))
+        engine = llm.engine
+        meta = engine.dtype, engine.device.type, engine.backend
+        vocab = engine.model_config.vocab_size
+        requests = workload(args, vocab)
+        for setting in settings:
+            results.append(run_llmlab(llm, requests, setting))
+        del llm, engine
+        gc.collect()
+        if meta[1] == "cuda":
+            torch.cuda.empty_cache()
+    dtype, device, backend = meta
     if args.hf:
-        hf_requests = requests[:args.hf_num_requests or len(requests)]
+        hf_requests = workload(args, vocab)[:args.hf_num_requests or args.num_requests]
         results.append(run_hf(hf_model(args, dtype, device), hf_requests, args.hf_batch_size, device))
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-    print(f"\n{args.num_requests} requests on {name} ({dtype}, {backend} kernels)")
-    print("| impl | seconds | req/s | output tok/s |\n|---|---|---|---|")
+    name = machine_name(device)
+    shared = f", prompts share {args.num_prefixes} prefix(es) of {args.prefix_len} tokens" if args.prefix_len else ""
+    print(f"\n{args.num_requests} requests on {name} ({dtype}, {backend} kernels{shared})")
+    print("| impl | sampling | prefix caching | seconds | req/s | output tok/s | vs first row |\n|---|---|---|---|---|---|---|")
+    first = results[0]["output_tokens_per_s"]
     for r in results:
         r.update(device=name, dtype=str(dtype))
-        print(f"| {r['impl']} | {r['seconds']:.2f} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} |")
-    if len(results) == 2:
-        print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+        caching_cell = {True: f"on (hit rate {r.get('prefix_hit_rate', 0):.2f})", False: "off"}.get(r.get("prefix_caching"), "")
+        print(f"| {r['impl']} | {r.get('sampling', 'greedy')} | {caching_cell} | {r['seconds']:.2f} | "
+              f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / first:.3f} |")
+    if args.hf:
+        print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[-1]['output_tokens_per_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

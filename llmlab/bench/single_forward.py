@@ -29,8 +29,10 @@ def add_arguments(parser) -> None:
                              "(the HF peer stays on one)")
 
 
-def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384):
-    """An LLM with random weights in the Llama-3-8B shape (bf16 on CUDA), no tokenizer."""
+def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
+                  engine_args: dict | None = None):
+    """An LLM with random weights in the Llama-3-8B shape (bf16 on CUDA), no tokenizer.
+    `engine_args`: EngineConfig fields that override the ones chosen here."""
     from llmlab import EngineConfig, LLMEngine
     from llmlab.config import ModelConfig
     from llmlab.engine.llm import LLM
@@ -39,10 +41,11 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
     hf = dict(LLAMA3_8B)
     if getattr(args, "layers", None):
         hf["num_hidden_layers"] = args.layers
-    config = EngineConfig(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
-                          tensor_parallel_size=getattr(args, "tp", 1),
-                          enforce_eager=getattr(args, "enforce_eager", False))
+    fields = dict(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
+                  tensor_parallel_size=getattr(args, "tp", 1), enforce_eager=getattr(args, "enforce_eager", False))
+    fields.update({k: v for k, v in (engine_args or {}).items() if k != "model"})
+    config = EngineConfig(**fields)
     model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
     return LLM.from_engine(LLMEngine(config, model=model)), hf
 

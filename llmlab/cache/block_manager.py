@@ -135,6 +135,16 @@ class BlockManager:
                 self.cached_blocks[h] = block
         request.num_cached_blocks = num_full
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (they become plain free blocks) and
+        zero the hit counters: a benchmark's next run starts from a cold cache."""
+        for block in self.evictable:
+            del self.cached_blocks[self.block_hash[block]]
+            self.block_hash[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        self.prefix_queries = self.prefix_hits = 0
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,39 @@
+"""`llmlab bench offline` runs the paths users take: several sampling settings side by side,
+prefix caching off and on from a cold cache each time, prompts sharing a prefix."""
+from __future__ import annotations
+
+import argparse
+
+from llmlab.bench import offline
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    offline.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_settings_and_workload():
+    args = parse("--num-requests", "6", "--input-len", "5", "--output-len", "3", "--prefix-len", "20",
+                 "--num-prefixes", "2", "--temperature", "0.7", "--top-p", "0.9",
+                 "--compare", "greedy", "temperature=1.0,top_k=50,seed=3")
+    settings = offline.sampling_settings(args)
+    assert [offline.describe(s) for s in settings] == [
+        "temperature=0.7, top_p=0.9", "greedy", "temperature=1.0, top_k=50, seed=3"]
+    requests = offline.workload(args, vocab_size=1000)
+    assert [len(ids) for ids, _ in requests] == [25] * 6
+    assert requests[0][0][:20] == requests[2][0][:20] != requests[1][0][:20]
+    assert requests == offline.workload(args, vocab_size=1000)          # seeded
+
+
+def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
+    args = parse("--num-requests", "3", "--input-len", "40", "--output-len", "4", "--prefix-len", "32",
+                 "--compare", "temperature=0.7,top_p=0.9,seed=1", "--compare-prefix-caching",
+                 "--num-gpu-blocks", "64", "--max-num-seqs", "1", "--out", str(tmp_path / "r.json"))
+    results = offline.main(args)
+    assert [(r["sampling"], r["prefix_caching"]) for r in results] == [
+        ("greedy", False), ("temperature=0.7, top_p=0.9, seed=1", False),
+        ("greedy", True), ("temperature=0.7, top_p=0.9, seed=1", True)]
+    # one request at a time, from a cold cache each time: requests 2 and 3 find the 2-block prefix
+    assert results[2]["prefix_hit_rate"] == results[3]["prefix_hit_rate"] > 0
+    assert (tmp_path / "r.json").exists()
