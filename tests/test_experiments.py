@@ -292,7 +292,8 @@ def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
     cost = CostModel.load(tmp_path / "cost_model.json")
     assert cost.meta["num_gpu_blocks"] == 512 and cost.meta["fit"]["num_steps"] > 0
     assert Result.load(tmp_path / "predict_simulated.json").summary()["num_finished"] == 8
-    assert len(Trace.load(tmp_path / "fit_trace.json").added) == 12
+    trace = calibrate.load_trace(tmp_path / "fit_trace.json.gz")
+    assert len(trace.added) == 12 and CostModel.fit(trace).coefficients == cost.coefficients   # refits the same
 
 
 def test_figures_draw_what_the_results_hold():

@@ -1,9 +1,10 @@
 """calibrate the simulator: run one workload on the real engine, fit a CostModel on its
 trace, then run a second, different workload and report how far `simulate` is from it.
 
-Writes into --out: fit_trace.json and predict_trace.json (the engine Traces), cost_model.json
-(`CostModel.load`), predict_measured.json / predict_simulated.json (`Result.load`) and
-report.json (the fit, the measured and simulated summaries, their relative errors).
+Writes into --out: fit_trace.json.gz and predict_trace.json.gz (the engine Traces, without
+block tables: `load_trace`), cost_model.json (`CostModel.load`), predict_measured.json /
+predict_simulated.json (`Result.load`) and report.json (the fit, the measured and simulated
+summaries, their relative errors).
 
 Presets (any option below overrides its value):
   h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3-4 minutes on an H200)
@@ -12,8 +13,11 @@ Presets (any option below overrides its value):
 """
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import json
 import os
+import sys
 import time
 
 # The first workload is bursty (gamma arrivals, cv 3), so its steps cover small and large
@@ -96,6 +100,7 @@ def calibrate(args) -> dict:
     if options.get("threads"):   # on a shared CPU, 1 thread avoids OpenMP spinning against other jobs
         torch.set_num_threads(options["threads"])
     os.makedirs(args.out, exist_ok=True)
+    _progress(f"building the engine ({options['model']})")
     engine = build_engine(options, args)
     vocab = engine.model_config.vocab_size
     fit = Workload.gamma(options["fit_requests"], options["fit_rate"], options["fit_cv"], options["fit_prompt_len"],
@@ -103,6 +108,7 @@ def calibrate(args) -> dict:
     predict = Workload.gamma(options["predict_requests"], options["predict_rate"], options["predict_cv"],
                              options["predict_prompt_len"], options["predict_output_len"], seed=args.seed + 1,
                              vocab_size=vocab)
+    _progress(f"engine ready; running the first workload ({len(fit)} requests over {fit.duration:.0f} s)")
     load = [os.getloadavg()[0]]     # other jobs on the machine make step times noisy: say how busy it was
     start = time.perf_counter()
     fitted = run(fit, engine)
@@ -112,12 +118,14 @@ def calibrate(args) -> dict:
                              workload=f"gamma (cv {options['fit_cv']}) {options['fit_requests']} requests at "
                                       f"{options['fit_rate']}/s, "
                                       f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}")
-    fitted.trace.save(os.path.join(args.out, "fit_trace.json"))
+    save_trace(fitted.trace, os.path.join(args.out, "fit_trace.json.gz"))
     cost_model = CostModel.fit(fitted.trace)
     cost_model.meta.update(recorded_on=fitted.trace.meta["recorded_on"], date=fitted.trace.meta["date"],
                            recorded_with=f"llmlab bench calibrate --preset {args.preset}")
     cost_model.save(os.path.join(args.out, "cost_model.json"))
 
+    _progress(f"cost model fitted: {cost_model}; running the second workload ({len(predict)} requests over "
+              f"{predict.duration:.0f} s)")
     start = time.perf_counter()
     measured = run(predict, engine)
     predict_seconds = time.perf_counter() - start
@@ -125,7 +133,7 @@ def calibrate(args) -> dict:
     start = time.perf_counter()
     simulated = simulate(predict, engine.config, cost_model)
     simulate_seconds = time.perf_counter() - start
-    measured.trace.save(os.path.join(args.out, "predict_trace.json"))
+    save_trace(measured.trace, os.path.join(args.out, "predict_trace.json.gz"))
     measured.save(os.path.join(args.out, "predict_measured.json"))
     simulated.save(os.path.join(args.out, "predict_simulated.json"))
 
@@ -147,6 +155,28 @@ def calibrate(args) -> dict:
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
+
+
+def save_trace(trace, path) -> None:
+    """The trace without what a cost model and the metrics do not read (block tables, block
+    lists: most of its size), gzipped: a GPU run's trace stays a few MB."""
+    steps = [dataclasses.replace(
+        s, block_tables={r: s.block_tables[r] for r in s.swapped_in if r in s.block_tables},
+        host_block_tables={r: s.host_block_tables[r] for r in s.swapped_out if r in s.host_block_tables},
+        allocated_blocks={}, freed_blocks=[], shared_blocks=[], cached_blocks=[]) for s in trace.steps]
+    with gzip.open(path, "wt") as f:
+        json.dump(dataclasses.replace(trace, steps=steps).to_dict(), f)
+
+
+def load_trace(path):
+    from llmlab.hooks import Trace
+
+    with gzip.open(path, "rt") as f:
+        return Trace.from_dict(json.load(f))
+
+
+def _progress(message: str) -> None:
+    print(f"[calibrate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _device_name(engine) -> str:
