@@ -120,7 +120,9 @@ def quantize(x, dtype):
     qmax = QUANT_MAX[dtype]
     x = x.float()
     absmax = x.abs().amax(-1).clamp(min=QUANT_EPS)
-    y = x * (qmax / absmax)[..., None]          # the row's largest value lands on +-qmax
+    # the row's largest value lands on +-qmax. One true division (torch computes `qmax / t`
+    # as reciprocal(t) * qmax, two roundings, which the kernels would not match exactly)
+    y = x * (torch.full_like(absmax, qmax) / absmax)[..., None]
     if dtype == torch.int8:
         y = torch.floor(y + 0.5)
     return y.clamp(-qmax, qmax).to(dtype), absmax / qmax
