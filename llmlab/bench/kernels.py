@@ -5,7 +5,10 @@ would do eagerly (F.rms_norm, F.silu(a) * b, SDPA's flash and cuDNN backends, ..
     rows = run("kernels.json")      # or `llmlab bench kernels`
 
 Memory-bound kernels report achieved TB/s (the fewest bytes the op must move, over the
-median time) and its share of COPY_TB_S; prefill reports TFLOP/s. Inputs are random
+median time) and its share of COPY_TB_S; prefill reports TFLOP/s. Decode and prefill also
+run on int8 (and, from compute capability 8.9, fp8) KV caches: their bytes are the 8-bit
+codes plus the float32 scales actually read, and decode rows carry their speed-up over the
+bf16 cache's row with the same splits, measured in the same run. Inputs are random
 (never zeros) and, where one call's data would fit in L2, rotated among enough copies
 that every call reads from HBM.
 """
@@ -63,9 +66,9 @@ def _randn(*shape, dtype=DTYPE):
     return torch.randn(shape, device="cuda", dtype=dtype)
 
 
-def _row(rows, kernel, shape, impl, times, num_bytes=None, flops=None):
+def _row(rows, kernel, shape, impl, times, num_bytes=None, flops=None, **extra):
     ms, ms_eager = times
-    row = {"kernel": kernel, "shape": shape, "impl": impl, "ms": round(ms, 4), "ms_eager": round(ms_eager, 4)}
+    row = {"kernel": kernel, "shape": shape, "impl": impl, "ms": round(ms, 4), "ms_eager": round(ms_eager, 4), **extra}
     if num_bytes is not None:
         row["tb_s"] = round(num_bytes / ms / 1e9, 3)
         row["pct_roofline"] = round(100 * row["tb_s"] / COPY_TB_S, 1)
@@ -88,7 +91,8 @@ def _try(rows, kernel, shape, impl, fn):
 
 def _format(row):
     rate = f"{row['tb_s']} TB/s" if "tb_s" in row else f"{row.get('tflop_s', '')} TFLOP/s"
-    return (f"| {row['kernel']} | {row['shape']} | {row['impl']} | {row['ms']:.4f} | {row['ms_eager']:.4f} "
+    speedup = f" ({row['speedup_vs_bf16']}x bf16)" if "speedup_vs_bf16" in row else ""
+    return (f"| {row['kernel']} | {row['shape']} | {row['impl']}{speedup} | {row['ms']:.4f} | {row['ms_eager']:.4f} "
             f"| {rate} | {row.get('pct_roofline', '')} |")
 
 
@@ -167,6 +171,22 @@ def _bench_store_kv(rows):
             rows, "store_kv", shape, impl,
             _time_ms(lambda i: (lambda a: lambda: fn(*a))(inputs(i)), nbytes, graph=graph), nbytes))
 
+    rows_written = 2 * NUM_TOKENS * NUM_KV_HEADS
+    for name, cache_dtype in quantized_cache_dtypes().items():
+        qbytes = rows_written * (HEAD_DIM * 2 + HEAD_DIM * cache_dtype.itemsize + 4)  # read bf16; write codes, scale
+
+        def quantized_inputs(i, cache_dtype=cache_dtype):
+            k, v, _, _, slots = inputs(i)
+            caches = [torch.empty(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=cache_dtype)
+                      for _ in range(2)]
+            scales = [torch.empty(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, device="cuda") for _ in range(2)]
+            return k, v, *caches, slots, *scales
+
+        impl = f"triton, {name} cache"
+        _try(rows, "store_kv", shape, impl, lambda impl=impl, make=quantized_inputs: _row(
+            rows, "store_kv", shape, impl,
+            _time_ms(lambda i: (lambda a: lambda: kernels.store_kv(*a, backend="triton"))(make(i)), qbytes), qbytes))
+
 
 # ----------------------------------------------------------------------------- attention
 
@@ -180,6 +200,22 @@ def _paged_cache(seq_lens):
         block_tables[i, :n] = ids[offsets[i]:offsets[i] + n]
     shape = (sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return _randn(*shape), _randn(*shape), block_tables
+
+
+def _quantized_paged_cache(seq_lens, cache_dtype):
+    """_paged_cache's K/V quantized as store_kv would: (k codes, v codes, block_tables,
+    k scales, v scales), scales float32 [num_blocks, BLOCK_SIZE, NUM_KV_HEADS]."""
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens)
+    (k_codes, k_scales), (v_codes, v_scales) = (reference.quantize(c, cache_dtype) for c in (k_cache, v_cache))
+    return k_codes, v_codes, block_tables, k_scales, v_scales
+
+
+def quantized_cache_dtypes() -> dict:
+    """The 8-bit caches this GPU runs: int8 everywhere, fp8 e4m3 from compute capability 8.9."""
+    dtypes = {"int8": torch.int8}
+    if torch.cuda.get_device_capability() >= (8, 9):
+        dtypes["fp8"] = torch.float8_e4m3fn
+    return dtypes
 
 
 def _sdpa_rows(rows, kernel, shape, q, k, v, is_causal, num_bytes=None, flops=None):
@@ -207,18 +243,36 @@ def _bench_decode(rows, batch, context, splits):
     shape = f"batch {batch} x ctx {context}"
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = _randn(batch, NUM_HEADS, HEAD_DIM)
-    nbytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2  # K and V, read once
+    rows_read = 2 * batch * context * NUM_KV_HEADS  # K and V rows, each read once
+    nbytes = rows_read * HEAD_DIM * 2
 
-    def triton_call(num_splits):
+    def triton_call(num_splits, cache_dtype=None):
         def make_call(i):
-            k_cache, v_cache, block_tables = _paged_cache([context] * batch)
+            if cache_dtype is None:
+                k_cache, v_cache, block_tables = _paged_cache([context] * batch)
+                scales = ()
+            else:
+                k_cache, v_cache, block_tables, *scales = _quantized_paged_cache([context] * batch, cache_dtype)
             return lambda: kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM ** -0.5,
-                                                    num_splits, backend="triton")
+                                                    num_splits, *scales, backend="triton")
         return make_call
 
+    bf16_ms = {}
     for impl, num_splits in splits:
-        _try(rows, "decode_attention", shape, impl, lambda: _row(
-            rows, "decode_attention", shape, impl, _time_ms(triton_call(num_splits), nbytes), num_bytes=nbytes))
+        def measure(impl=impl, num_splits=num_splits):
+            times = _time_ms(triton_call(num_splits), nbytes)
+            bf16_ms[num_splits] = times[0]
+            _row(rows, "decode_attention", shape, impl, times, num_bytes=nbytes)
+        _try(rows, "decode_attention", shape, impl, measure)
+    for name, cache_dtype in quantized_cache_dtypes().items():
+        qbytes = rows_read * (HEAD_DIM * cache_dtype.itemsize + 4)  # codes + one float32 scale per row
+        for impl, num_splits in splits:
+            def measure(impl=f"{impl}, {name} cache", num_splits=num_splits):
+                times = _time_ms(triton_call(num_splits, cache_dtype), qbytes)
+                extra = {"speedup_vs_bf16": round(bf16_ms[num_splits] / times[0], 2)} if num_splits in bf16_ms else {}
+                _row(rows, "decode_attention", shape, impl, times, num_bytes=qbytes, **extra)
+            _try(rows, "decode_attention", shape, f"{impl}, {name} cache", measure)
+        torch.cuda.empty_cache()
     torch.cuda.empty_cache()
     k, v = _randn(batch, NUM_KV_HEADS, context, HEAD_DIM), _randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
     _sdpa_rows(rows, "decode_attention", shape, q[:, :, None, :], k, v, False, num_bytes=nbytes)
@@ -236,6 +290,14 @@ def _bench_prefill(rows, context=4096):
         _time_ms(lambda i: lambda: kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                              seq_lens, HEAD_DIM ** -0.5, backend="triton")),
         flops=flops))
+    for name, cache_dtype in quantized_cache_dtypes().items():
+        quantized = _quantized_paged_cache([context], cache_dtype)
+        impl = f"triton (paged), {name} cache"
+        _try(rows, "prefill_attention", shape, impl, lambda quantized=quantized, impl=impl: _row(
+            rows, "prefill_attention", shape, impl,
+            _time_ms(lambda i: lambda: kernels.prefill_attention(q, *quantized[:3], cu_seqlens_q, seq_lens,
+                                                                 HEAD_DIM ** -0.5, *quantized[3:], backend="triton")),
+            flops=flops))
     k, v = _randn(1, NUM_KV_HEADS, context, HEAD_DIM), _randn(1, NUM_KV_HEADS, context, HEAD_DIM)
     _sdpa_rows(rows, "prefill_attention", shape, q.transpose(0, 1)[None].contiguous(), k, v, True, flops=flops)
 
