@@ -9,7 +9,7 @@ import torch
 
 from llmlab import EngineConfig, LLMEngine, Trace
 from llmlab.config import ModelConfig
-from llmlab.experiments import CostModel, Result, Workload, engine_meta, run, simulate
+from llmlab.experiments import CostModel, Result, Workload, engine_meta, read_lengths, run, simulate
 from llmlab.experiments.cost_model import FEATURES, step_features
 from llmlab.hooks import RequestAdded, RequestFinished, ScheduledRecord, StepRecord
 from llmlab.model.llama import LlamaModel
@@ -91,6 +91,10 @@ def test_jsonl_round_trip_and_other_line_formats(tmp_path):
     assert len(loaded.requests[0].prompt_token_ids) == 12
     with pytest.raises(ValueError, match="tokenizer"):
         Workload.from_jsonl(tmp_path / "text.jsonl")
+    # a length distribution read from a dump: every drawn length is one of the file's
+    assert read_lengths(tmp_path / "text.jsonl") == [3, 2]
+    drawn = Workload.offline(50, output_len=read_lengths(tmp_path / "text.jsonl"), seed=1)
+    assert {r.output_len for r in drawn} == {2, 3}
 
 
 # ---- metrics on a trace built by hand ---------------------------------------------------------------
