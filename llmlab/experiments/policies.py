@@ -10,7 +10,10 @@ preempted when KV blocks run out (the running request with the largest key).
                           that knows output lengths (a lower bound for length predictors)
   priority                the workload's `priority` field (lower = more important), then
                           arrival: under memory pressure the least important running
-                          request is preempted first
+                          request is preempted first. A newcomer that outranks a running
+                          request still waits for a free slot or free blocks: preempting
+                          for it (vLLM's priority scheduling) needs Scheduler.schedule's
+                          admission step to do it
 
 Your own key function works the same way: `run(workload, engine, policy=my_key)`.
 """
