@@ -7,7 +7,7 @@ preempted when KV blocks run out (the running request with the largest key).
   shortest_prompt_first   fewest prompt tokens first: short prompts stop queueing behind
                           long prefills, at the price of the long ones' tail latency
   shortest_output_first   fewest output tokens first: shortest-job-first with an oracle
-                          that knows output lengths (a lower bound for length predictors)
+                          that knows output lengths (the best a length predictor could do)
   priority                the workload's `priority` field (lower = more important), then
                           arrival: under memory pressure the least important running
                           request is preempted first. A newcomer that outranks a running
