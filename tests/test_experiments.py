@@ -314,3 +314,8 @@ def test_figures_draw_what_the_results_hold():
     assert list(step_timeline(result).data[1].y) == [0, 1, 1, 0]         # decode tokens per step
     assert list(compare([result, other]).data[1].y)[0] == other.summary()["ttft_p50"]
     assert list(prediction_error(result, result).data[0].y) == [0.0] * 6
+    # a measured run says which machine measured it, and that it was busy
+    busy = Result.from_trace(hand_built_trace(), meta={"kind": "run", "machine": {
+        "device": "Some CPU", "cores": 2, "torch_threads": 1, "load": 7.5, "gpu": False}})
+    note = latency_cdf(busy).layout.annotations[-1].text
+    assert "Some CPU" in note and "BUSY" in note

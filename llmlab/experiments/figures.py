@@ -15,6 +15,7 @@ from llmlab.experiments.cost_model import CostModel, swapped_blocks
 from llmlab.experiments.result import Result, step_durations
 from llmlab.experiments.workload import Workload
 from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS
+from llmlab.viz.machine import machine_note
 
 METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)", "itl": "inter-token latency (s)"}
 SUMMARY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")
@@ -26,6 +27,23 @@ def _named(results) -> dict[str, Result]:
     if isinstance(results, dict):
         return dict(results)
     return {r.meta.get("label", f"run {i}"): r for i, r in enumerate(results)}
+
+
+def _with_notes(fig: go.Figure, results) -> go.Figure:
+    """Under the title: which machine measured each real run (and whether it was busy), and
+    where a simulation's cost model was recorded."""
+    notes = []
+    for result in _named(results).values():
+        if result.meta.get("kind") == "run" and result.meta.get("machine"):
+            notes.append(machine_note(result.meta["machine"]))
+        elif result.meta.get("kind") == "simulate":
+            recorded_on = result.meta.get("cost_model", {}).get("meta", {}).get("recorded_on", "unknown machine")
+            notes.append(f"simulated with a cost model recorded on {recorded_on}")
+    if notes:
+        fig.add_annotation(text="<br>".join(dict.fromkeys(notes)), xref="paper", yref="paper", x=0, y=1.0,
+                           yanchor="bottom", showarrow=False, align="left", font=dict(size=10, color="#666"))
+        fig.update_layout(margin=dict(t=60 + 14 * len(set(notes))))
+    return fig
 
 
 def workload_figure(workload: Workload) -> go.Figure:
@@ -73,7 +91,7 @@ def latency_cdf(results, metrics=("ttft", "tpot", "e2e")) -> go.Figure:
                                      line=dict(color=color, shape="hv")), row=1, col=col)
     fig.update_yaxes(title_text="fraction of requests", row=1, col=1)
     fig.update_layout(title="Latency CDFs", height=340, margin=dict(t=60, b=40))
-    return fig
+    return _with_notes(fig, named)
 
 
 def request_timeline(result: Result, max_requests: int = 60) -> go.Figure:
@@ -99,7 +117,7 @@ def request_timeline(result: Result, max_requests: int = 60) -> go.Figure:
     fig.update_layout(barmode="overlay", title=f"Requests over time ({result.meta.get('kind', 'run')})",
                       xaxis_title="seconds", yaxis=dict(title="request", autorange="reversed", type="category"),
                       height=160 + 14 * len(ids), margin=dict(t=50, b=40))
-    return fig
+    return _with_notes(fig, result)
 
 
 def step_timeline(result: Result) -> go.Figure:
@@ -116,7 +134,7 @@ def step_timeline(result: Result) -> go.Figure:
                              line=dict(color=STATE_COLORS["waiting"], shape="hv"), fill="tozeroy"), row=2, col=1)
     fig.update_xaxes(title_text="seconds", row=2, col=1)
     fig.update_layout(title="What the engine ran", height=420, margin=dict(t=60, b=40))
-    return fig
+    return _with_notes(fig, result)
 
 
 def compare(results, keys=SUMMARY_KEYS, slo: dict | None = None) -> go.Figure:
@@ -130,7 +148,7 @@ def compare(results, keys=SUMMARY_KEYS, slo: dict | None = None) -> go.Figure:
                              marker_color=REQUEST_COLORS[i % len(REQUEST_COLORS)]))
     fig.update_layout(barmode="group", title="Latency percentiles", yaxis_title="seconds",
                       height=340, margin=dict(t=50, b=40))
-    return fig
+    return _with_notes(fig, named)
 
 
 def prediction_error(measured: Result, predicted: Result,
@@ -144,7 +162,7 @@ def prediction_error(measured: Result, predicted: Result,
                                          for e in errors]))
     fig.add_hrect(y0=-15, y1=15, fillcolor=STATE_COLORS["waiting"], opacity=0.25, line_width=0)
     fig.update_layout(title="Simulated vs measured", yaxis_title="error (%)", height=320, margin=dict(t=50, b=40))
-    return fig
+    return _with_notes(fig, [measured, predicted])
 
 
 def sweep(results: dict, keys=("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"), parameter: str = "parameter",
@@ -162,4 +180,4 @@ def sweep(results: dict, keys=("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"), 
     fig.update_xaxes(title_text=parameter, type="log" if all(isinstance(v, (int, float)) and v > 0 for v in values)
                      else "-")
     fig.update_layout(title=f"Latency against {parameter}", height=340, margin=dict(t=60, b=40))
-    return fig
+    return _with_notes(fig, list(results.values()))

@@ -75,9 +75,20 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         engine.scheduler.policy = previous_policy
         for request_id in list(engine.requests):   # interrupted: leave the engine idle
             engine.abort(request_id)
-    meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"]}
+    meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"],
+            "machine": _machine_info()}
     return Result.from_trace(recorder.trace, arrivals, origin=start,
                              priorities={r.request_id: r.priority for r in workload}, meta=meta)
+
+
+def _machine_info() -> dict | None:
+    """What measured the times, and how busy it was (a figure of them says so); None where
+    llmlab.viz cannot be imported (no plotly, e.g. on a bare GPU box)."""
+    try:
+        from llmlab.viz.machine import machine_info
+    except ModuleNotFoundError:
+        return None
+    return machine_info()
 
 
 def _engine(config_or_engine) -> LLMEngine:
