@@ -63,12 +63,13 @@ def block_table(source: Trace | StepRecord, step: int = -1, *, block_size: int |
     row_px, gap_px = 26, 80          # fixed pixels per row, so cells look alike in any figure
     plot_px = row_px * (device_rows + host_rows) + gap_px
     # what the numbers in the cells mean, said where they are drawn
-    legend_text = (f" · pool row: tokens in each block (of {block_size})" if tokens and block_size else "") + \
-        (" · request rows: logical block number" if record.block_tables else "")
+    legend_text = (f" · pool: tokens held (of {block_size})" if tokens and block_size else "") + \
+        (" · rows: logical block" if record.block_tables else "")
     titles = (f"device: {record.free_device_blocks}/{record.total_device_blocks} blocks free{legend_text}",
               f"host (swap space): {record.free_host_blocks}/{record.total_host_blocks} blocks free")
     fig = make_subplots(rows=2, cols=1, row_heights=[device_rows, host_rows],
                         vertical_spacing=gap_px / plot_px, subplot_titles=titles)
+    fig.update_annotations(font_size=13)    # the subplot titles: long enough to wrap at 16 px
     fig.add_trace(device, row=1, col=1)
     fig.add_trace(host, row=2, col=1)
     legend = (("free", FREE), ("free, kept in the prefix cache", CACHED), ("shared (ref count > 1)", SHARED))
