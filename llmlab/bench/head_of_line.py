@@ -1,11 +1,16 @@
 """head-of-line blocking: a short request's time to first token while a long prompt is prefilled.
 
     llmlab bench head-of-line [--long-len 7000] [--short-len 4] [--url URL] [engine flags] [--out F]
+    llmlab bench head-of-line --big-prompt-kb 900 [--url URL]
 
 Through the OpenAI server (its own, in this process, unless --url names one): first the
 short request alone, then a long prompt (random token ids), and once the long prompt is
 running the short request again. With chunked prefill the short one shares the long one's
 steps only if the scheduler leaves it room; otherwise it waits for the whole prefill.
+
+With --big-prompt-kb: instead, the longest gap between a running stream's tokens while a
+prompt of that many KB of text is sent (and refused: it is longer than the context), i.e.
+whether tokenizing it stalls the engine.
 """
 from __future__ import annotations
 
@@ -23,8 +28,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--long-len", type=int, default=7000, help="prompt tokens of the long request")
     parser.add_argument("--short-len", type=int, default=4, help="prompt tokens of the short request")
     parser.add_argument("--short-output-len", type=int, default=4)
-    parser.add_argument("--delay", type=float, default=1.0,
-                        help="seconds after the long request starts running before the short one is sent")
+    parser.add_argument("--send-at", type=float, default=0.5,
+                        help="send the short request once this share of the long prompt is in the KV cache "
+                             "(early: it waits longest behind a whole-prompt scheduler; late: the long "
+                             "prompt's steps cost the most)")
+    parser.add_argument("--big-prompt-kb", type=int, default=0,
+                        help="measure the stall a text prompt of this size causes instead (0 = off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     add_engine_arguments(parser, exclude=("seed",))
@@ -56,18 +65,49 @@ async def measure(url: str, api_key: str | None, args, vocab_size: int) -> dict:
         alone = await first_token_seconds(client, prompt(args.short_len), args.short_output_len)
         long_task = asyncio.ensure_future(first_token_seconds(client, prompt(args.long_len), 1))
         long_start = time.perf_counter()
-        while True:    # the long request is running (prefilling) once the engine reports it
-            text = (await client.get("/metrics")).text
-            if any(line.startswith("llmlab_num_requests_running ") and float(line.split()[1]) >= 1
-                   for line in text.splitlines()):
+        while True:    # the long prompt's progress, from the KV blocks it holds
+            stats = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                     for line in (await client.get("/metrics")).text.splitlines() if line and line[0] != "#"}
+            used = stats.get('llmlab_kv_blocks_used{location="device"}', 0)
+            if used * (args.block_size or 16) >= args.send_at * args.long_len:
                 break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(args.delay)
+            await asyncio.sleep(0.02)
         sent_after = time.perf_counter() - long_start
         behind = await first_token_seconds(client, prompt(args.short_len), args.short_output_len)
         long_ttft = await long_task
     return {"long_len": args.long_len, "short_len": args.short_len, "short_ttft_alone_s": alone,
-            "short_ttft_behind_long_s": behind, "short_sent_after_s": sent_after, "long_ttft_s": long_ttft}
+            "short_ttft_behind_long_s": behind, "short_sent_at": args.send_at, "short_sent_after_s": sent_after,
+            "long_ttft_s": long_ttft}
+
+
+async def tokenization_stall(url: str, api_key: str | None, args) -> dict:
+    """Token gaps of a running stream before and while a big text prompt is tokenized."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    big = "All work and no play makes Jack a dull boy. " * (args.big_prompt_kb * 1024 // 44)
+    arrivals, sent = [], {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=3600) as client:
+        async def stream():
+            payload = {"prompt": [16, 17, 18, 19], "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=payload) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.perf_counter())
+
+        task = asyncio.ensure_future(stream())
+        while len(arrivals) < 50:
+            await asyncio.sleep(0.01)
+        sent["start"] = time.perf_counter()
+        refused = await client.post("/v1/completions", json={"prompt": big, "max_tokens": 1})
+        sent["end"] = time.perf_counter()
+        await task
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= sent["start"] and a <= sent["end"]]
+    before = sorted(gaps[:40])
+    return {"big_prompt_bytes": len(big), "big_prompt_status": refused.status_code,
+            "big_prompt_seconds": sent["end"] - sent["start"], "median_gap_before_s": before[len(before) // 2],
+            "max_gap_before_s": max(before), "max_gap_while_tokenizing_s": max(during, default=0.0)}
 
 
 def cpu_model() -> str | None:
@@ -89,8 +129,13 @@ def main(args) -> dict:
 
     from llmlab.config import EngineConfig, engine_kwargs
 
+    def run(url, api_key, vocab_size):
+        if args.big_prompt_kb:
+            return asyncio.run(tokenization_stall(url, api_key, args))
+        return asyncio.run(measure(url, api_key, args, vocab_size))
+
     if args.url:
-        result = asyncio.run(measure(args.url, args.api_key, args, vocab_size=1000))
+        result = run(args.url, args.api_key, vocab_size=1000)
     else:
         from llmlab.engine.engine import LLMEngine
         from llmlab.server.app import create_app
@@ -106,7 +151,7 @@ def main(args) -> dict:
         while not server.started:
             time.sleep(0.05)
         try:
-            result = asyncio.run(measure(f"http://127.0.0.1:{port}", None, args, engine.model_config.vocab_size))
+            result = run(f"http://127.0.0.1:{port}", None, engine.model_config.vocab_size)
         finally:
             server.should_exit = True
             thread.join()

@@ -26,12 +26,11 @@ from starlette.requests import Request    # = fastapi.Request; FastAPI finds it 
 from llmlab.request import ContextLengthError
 from llmlab.server.async_engine import AsyncEngine, RequestStream
 from llmlab.server.guards import api_key_checker, host_checker, require_json
-from llmlab.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                    ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut,
-                                    Completion, CompletionChoice, CompletionRequest, Delta,
-                                    ModelCard, ModelList, Usage, new_id, now, parse_json,
+from llmlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, parse_json,
                                     resolve_max_tokens)
-from llmlab.server.responses import event_stream, usage_of, wait_for_last
+from llmlab.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                     ChatMessageOut, Completion, CompletionChoice, Delta, ModelCard,
+                                     ModelList, Usage, event_stream, new_id, now, usage_of, wait_for_last)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

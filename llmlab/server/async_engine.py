@@ -51,7 +51,8 @@ def engine_failed() -> APIError:    # the details go to the log, not to the clie
 
 def tokenize(engine: LLMEngine, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
     """Token ids of a prompt (text or ids) or of chat messages (the model's chat template).
-    The server's one place for this: it runs on the tokenizer thread."""
+    The server's one place for this (it runs on the tokenizer thread; once LLMEngine has a
+    tokenization entry point of its own, this calls it)."""
     if messages is None and not isinstance(prompt, str):
         return list(prompt)
     if engine.tokenizer is None:
@@ -111,7 +112,7 @@ class AsyncEngine:
         self.draining = False                 # shutting down: no new requests
         self._commands = collections.deque()  # functions the engine thread runs between steps
         self._wakeup = threading.Event()
-        self._streams: dict[str, RequestStream] = {}   # unfinished requests (engine thread only)
+        self._streams: dict[str, RequestStream] = {}   # unfinished requests (written by the engine thread)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

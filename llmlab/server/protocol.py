@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies (validated by pydantic), response bodies, errors.
+"""The OpenAI wire format of requests: bodies (validated by pydantic) and errors.
 
 Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`
 and `ignore_eos`), so the official `openai` client and tools built on it work unchanged.
@@ -11,11 +11,9 @@ by `SamplingParams`.
 """
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmlab.sampling import SamplingParams
 
@@ -206,105 +204,3 @@ def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
         if field is not None:
             message = f"invalid value for '{field}': {message}"
         raise APIError(400, message, param=field) from None
-
-
-# ---- responses -----------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0      # served from the prefix cache
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> "Usage":
-        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class Completion(BaseModel):
-    """Both the whole response and, with stream=true, each chunk (same object name)."""
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer
-    def without_nulls(self) -> dict:   # OpenAI sends {"content": "..."}, and {} at the end
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]   # empty in the final usage chunk
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "llmlab"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())

@@ -1,23 +1,131 @@
-"""How an answer goes back: a stream of server-sent events, or one JSON object at the end.
+"""How an answer goes back: OpenAI's response objects, sent as a stream of server-sent
+events or as one JSON object at the end.
 
-Both read a `RequestStream` (`async_engine.py`). Per output they touch only what is new
+Both ways read a `RequestStream` (`async_engine.py`). Per output they touch only what is new
 (`delta_text`), never the cumulative text, so a 4,096-token stream costs the same per
 token at its end as at its start (`tests/test_server_stream_cost.py` counts it).
 """
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Callable
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Callable, Literal
 
+from pydantic import BaseModel, model_serializer
 from starlette.requests import Request
 
-from llmlab.server.protocol import APIError, Usage
+from llmlab.server.protocol import APIError
 
 if TYPE_CHECKING:
     from llmlab.request import RequestOutput
     from llmlab.server.async_engine import RequestStream
 
 
+# ---- response bodies (field names and shapes as in the OpenAI API reference) ----------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0      # served from the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> "Usage":
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """Both the whole response and, with stream=true, each chunk (same object name)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def without_nulls(self) -> dict:   # OpenAI sends {"content": "..."}, and {} at the end
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]   # empty in the final usage chunk
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmlab"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---- sending them -------------------------------------------------------------------------
 def usage_of(stream: RequestStream, output: RequestOutput) -> Usage:
     # num_tokens_seen (the engine thread's count of delivered tokens), not len(output.token_ids),
     # which would copy the whole output
@@ -29,8 +137,6 @@ def sse(obj) -> str:
 
 
 def sse_error(error: APIError) -> str:
-    import json
-
     return f"data: {json.dumps(error.body())}\n\n"
 
 
