@@ -184,7 +184,7 @@ def test_simulate_with_a_constant_cost_gives_the_engines_schedule(overrides):
     engine = LLMEngine(config, model=MODEL)
     workload = Workload.shared_prefix(5, 2, prefix_len=12, suffix_len=(1, 28), output_len=(4, 24), seed=4,
                                       vocab_size=TINY.vocab_size)
-    measured = run(workload, engine, warmup=False)
+    measured = run(workload, engine)       # its warm-up request leaves nothing in the prefix cache
     simulated = simulate(workload, config, CostModel.constant(0.01, engine_meta(engine)), record_trace=True)
     assert sum(len(s.preempted) + len(s.swapped_out) for s in measured.trace.steps) > 0
     assert schedule_of(simulated.trace) == schedule_of(measured.trace)

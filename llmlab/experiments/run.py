@@ -45,8 +45,9 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         raise ValueError("run() needs an idle engine; it still has unfinished requests")
     key = resolve_policy(policy, workload)
     if warmup:   # first-call costs (allocator, oneDNN, Triton) do not belong to any request
-        engine.add_request(workload.requests[0].prompt_token_ids[:16], SamplingParams(max_tokens=2),
-                           request_id="warm-up")
+        # shorter than a block: it fills none, so the prefix cache keeps nothing of it
+        prompt = workload.requests[0].prompt_token_ids[:max(1, min(16, engine.config.block_size - 1))]
+        engine.add_request(prompt, SamplingParams(max_tokens=1), request_id="warm-up")
         while engine.has_unfinished_requests():
             engine.step()
     previous_policy, engine.scheduler.policy = engine.scheduler.policy, key
