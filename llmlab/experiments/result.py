@@ -102,12 +102,12 @@ class Result:
         output_tokens = sum(r.num_output_tokens for r in done)
         out = {"num_requests": len(self.requests), "num_finished": len(done), "duration_s": duration,
                "ttft_mean": float(values["ttft"].mean()) if len(done) else float("nan")}
-        for key, quantiles in (("ttft", (50, 90, 99)), ("tpot", (50, 90, 99)), ("e2e", (50, 90, 99))):
-            for q in quantiles:
+        for key in SLO_KEYS:
+            for q in (50, 90, 99):
                 out[f"{key}_p{q}"] = percentile(key, q)
         # every gap between two tokens of a request (vLLM's ITL, SARATHI's TBT): its tail shows
         # the decodes stalled behind a long prompt chunk, which TPOT's per-request mean hides
-        gaps = [np.diff(np.frombuffer(r.token_times)) for r in done if len(r.token_times) > 1]
+        gaps = [np.diff(np.asarray(r.token_times)) for r in done if len(r.token_times) > 1]
         gaps = np.concatenate(gaps) if gaps else np.empty(0)
         for q in (50, 90, 99):
             out[f"itl_p{q}"] = float(np.percentile(gaps, q)) if len(gaps) else float("nan")
