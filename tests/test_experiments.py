@@ -129,6 +129,7 @@ def test_metrics_of_a_hand_built_trace():
     assert summary["ttft_p50"] == pytest.approx(0.5) and summary["ttft_p90"] == pytest.approx(0.82)   # 0.5 + 0.8 * 0.4
     assert summary["tpot_p50"] == pytest.approx(0.4) and summary["tpot_p90"] == pytest.approx(0.56)   # of 0.2 and 0.6
     assert summary["e2e_p50"] == pytest.approx(0.9) and summary["e2e_p90"] == pytest.approx(1.06)
+    assert summary["itl_p50"] == pytest.approx(0.2) and summary["itl_p90"] == pytest.approx(0.52)   # 0.2, 0.2, 0.6
     assert summary["duration_s"] == pytest.approx(1.3)
     assert summary["output_tok_s"] == pytest.approx(6 / 1.3)
     assert summary["slo_attainment"] == pytest.approx(1 / 3)       # b's TPOT and c's TTFT miss
