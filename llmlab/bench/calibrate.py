@@ -1,5 +1,7 @@
-"""calibrate the simulator: run one workload on the real engine, fit a CostModel on its
-trace, then run a second, different workload and report how far `simulate` is from it.
+"""calibrate the simulator: fit a cost model on one workload, report its error on another.
+
+Runs one workload on the real engine, fits a CostModel on its trace, then runs a second,
+different workload and reports how far `simulate` is from it.
 
 Writes into --out: fit_trace.json.gz and predict_trace.json.gz (the engine Traces, without
 block tables: `load_trace`), cost_model.json (`CostModel.load`), predict_measured.json /

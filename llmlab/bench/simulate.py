@@ -1,5 +1,6 @@
-"""simulate a workload with a saved cost model (no model, no GPU): the latency summary an
-engine would reach, and how long the simulation itself took.
+"""simulate a workload with a saved cost model: latencies, and how long simulating took.
+
+No model and no GPU: the latency summary an engine would reach, from `llmlab.experiments`.
 
     llmlab bench simulate --cost-model notebooks/data/h200_cost_model_llama3_8b.json \\
         --num-requests 10000 --rate 20 --policy fcfs
