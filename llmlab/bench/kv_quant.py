@@ -133,8 +133,9 @@ def chunk_logprobs(model, token_ids, kv_cache, start, block_size=16, store_kv=No
     return logits.float().log_softmax(-1)
 
 
-def variants(model, num_tokens, fp8_supported):
-    """name -> (KVCache, store_kv override or None): the full-precision cache first."""
+def variants(model, num_tokens, fp8_supported, only=None):
+    """name -> (KVCache, store_kv override or None): the full-precision cache first, then
+    every other variant (or those whose names contain one of the strings in `only`)."""
     dtype = model.embed.dtype
     out = {"full precision (auto)": (new_cache(model, num_tokens, dtype), None),
            "int8, per token-head (engine)": (new_cache(model, num_tokens, torch.int8), None)}
@@ -145,13 +146,15 @@ def variants(model, num_tokens, fp8_supported):
                                                         simulated_store_kv(fp8_per_token_head, fp8_per_token_head))
     for name, (key_fn, value_fn) in SIMULATED.items():
         out[name] = (new_cache(model, num_tokens, dtype), simulated_store_kv(key_fn, value_fn))
-    return out
+    first = next(iter(out))
+    return {name: run for name, run in out.items()
+            if name == first or only is None or any(word in name for word in only)}
 
 
-def accuracy(model, token_ids, fp8_supported=False) -> list[dict]:
-    """Perplexity, mean KL(full || variant) and top-1 agreement of every variant, all run
-    chunk by chunk in lockstep (so no variant's logits need to be kept)."""
-    runs = variants(model, len(token_ids), fp8_supported)
+def accuracy(model, token_ids, fp8_supported=False, only=None) -> list[dict]:
+    """Perplexity, mean KL(full || variant) and top-1 agreement of every variant (`only`:
+    see variants()), all run chunk by chunk in lockstep (so no variant's logits are kept)."""
+    runs = variants(model, len(token_ids), fp8_supported, only)
     targets = torch.tensor(token_ids[1:], device=model.embed.device)
     totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in runs}
     for start in range(0, len(token_ids) - 1, CHUNK):
