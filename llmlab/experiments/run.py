@@ -21,12 +21,14 @@ from llmlab.sampling import SamplingParams
 def engine_meta(engine: LLMEngine) -> dict:
     """What the simulator needs to know about an engine to replay its scheduling: KV blocks,
     their size in bytes (to turn swap_space into host blocks), context limit, and where it ran."""
-    from llmlab.cache.kv_cache import bytes_per_block
+    from llmlab.cache.kv_cache import bytes_per_block, kv_cache_dtype
 
     config = engine.config
+    cache_dtype = kv_cache_dtype(config.kv_cache_dtype, engine.dtype)   # 8-bit codes + scales, or the model's
     return {"num_gpu_blocks": engine.block_manager.num_device_blocks,
             "num_host_blocks": engine.block_manager.num_host_blocks,
-            "bytes_per_block": bytes_per_block(engine.model_config, config.block_size, engine.dtype),
+            "bytes_per_block": bytes_per_block(engine.model_config, config.block_size, cache_dtype),
+            "kv_cache_dtype": config.kv_cache_dtype,
             "block_size": config.block_size, "max_model_len": engine.max_model_len,
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_chunked_prefill": config.enable_chunked_prefill, "model": str(config.model),
