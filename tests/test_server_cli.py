@@ -64,3 +64,13 @@ def test_the_cpu_token_budget_is_smaller_than_the_gpu_one():
 
     assert EngineConfig(device="cpu").max_num_batched_tokens == CPU_TOKEN_BUDGET < GPU_TOKEN_BUDGET
     assert EngineConfig(device="cpu", max_num_batched_tokens=64).max_num_batched_tokens == 64
+
+
+def test_allowed_hosts_default_to_loopback_names_on_loopback():
+    from llmlab.server.serve import allowed_hosts_for
+
+    def args(host, allowed=None):
+        return argparse.Namespace(host=host, allowed_hosts=allowed)
+    assert allowed_hosts_for(args("127.0.0.1")) == ["localhost", "127.0.0.1", "::1"]
+    assert allowed_hosts_for(args("0.0.0.0")) == ["*"]     # exposed on purpose: use --allowed-hosts
+    assert allowed_hosts_for(args("0.0.0.0", "llm.example.com, *.lan")) == ["llm.example.com", "*.lan"]

@@ -262,6 +262,8 @@ class AsyncEngine:
                 self.engine.abort(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
+            if stream.request is not None and stream.request.num_preemptions:
+                self.metrics.preemptions.inc(stream.request.num_preemptions)
             self._put(stream, err)
         self._streams.clear()
 
