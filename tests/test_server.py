@@ -144,9 +144,9 @@ def test_chat_matches_llm_chat(server, client, llm):
 def test_stop_strings_and_seeded_sampling_match_generate(server, client, llm):
     prompt = "List three colors:"
     for fields in (dict(temperature=0.0, max_tokens=16, stop=[",", "\n"]),
-                   dict(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=12)):
+                   dict(temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, seed=1234, max_tokens=12)):
         expected = llm.generate(prompt, llmlab.SamplingParams(**fields))[0]
-        extra = {"top_k": fields.pop("top_k")} if "top_k" in fields else {}
+        extra = {name: fields.pop(name) for name in ("top_k", "min_p") if name in fields}   # vLLM extensions
         response = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **fields)
         assert (response.choices[0].text, response.choices[0].finish_reason) == (expected.text, expected.finish_reason)
 
@@ -188,6 +188,7 @@ BAD_INPUTS = {
     "max_tokens < 1": ("/v1/completions", body_of({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens", None),
     "temperature < 0": ("/v1/completions", body_of({"prompt": "hi", "temperature": -0.5}), 400, "temperature", None),
     "top_p > 1": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}), 400, "top_p", None),
+    "min_p > 1": ("/v1/completions", body_of({"prompt": "hi", "min_p": 1.5}), 400, "min_p", None),
     "n > 1": ("/v1/completions", body_of({"prompt": "hi", "n": 2}), 400, "n", None),
     "unsupported field": ("/v1/completions", body_of({"prompt": "hi", "logprobs": 5}), 400, "logprobs", "unsupported_parameter"),
     "empty prompt": ("/v1/completions", body_of({"prompt": ""}), 400, "prompt", None),

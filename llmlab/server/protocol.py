@@ -1,7 +1,7 @@
 """The OpenAI wire format of requests: bodies (validated by pydantic) and errors.
 
-Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`
-and `ignore_eos`), so the official `openai` client and tools built on it work unchanged.
+Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`,
+`min_p` and `ignore_eos`), so the official `openai` client and tools built on it work unchanged.
 A body is parsed and validated in one pass by pydantic's own JSON parser
 (`model_validate_json`): it refuses what Python's `json` module would let through to
 crash later (lone surrogates like "\\ud800", nesting thousands deep, 5,000-digit numbers,
@@ -59,6 +59,7 @@ class SamplingFields(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                 # vLLM extension
+    min_p: float = 0.0              # vLLM extension
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
@@ -100,7 +101,7 @@ class SamplingFields(BaseModel):
             raise APIError(400, "only n=1 is supported", param="n")
         requested, param = self.requested_max_tokens
         fields = dict(max_tokens=requested if max_tokens is None else max_tokens, temperature=self.temperature,
-                      top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop or [],
+                      top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop or [],
                       ignore_eos=self.ignore_eos)
         if fields["max_tokens"] is None:
             fields["max_tokens"] = 1    # (only checking the other fields, before the prompt is known)
