@@ -71,6 +71,9 @@ def check_rows(actual, expected, *, case: str, tol: dict, tile: int | None = Non
     if actual.isnan().any() and not expected.isnan().any():
         lines.append("-> your output has NaN: the kernel read past the end of its data (the grader "
                      "puts NaN just past every input) -- mask the loads of the last, partial tile")
+    elif len(bad_cols) == n and n > 1:
+        lines.append("-> every column of those rows differs: a statistic of the whole row (a sum, a max, the "
+                     "mean of the squares) is off -- did lanes past the end of the row get into it?")
     elif tile and bad_cols[0] >= (n // tile) * tile and n % tile:
         lines.append(f"-> only the last partial tile (columns {(n // tile) * tile}..{n - 1}, {n} is not a "
                      f"multiple of {tile}) differs: check its mask")
@@ -82,7 +85,8 @@ def check_rows(actual, expected, *, case: str, tol: dict, tile: int | None = Non
 
 # ---- attention over a paged cache (decode: one row per sequence; prefill: many) ----------
 def check_attention(actual, expected, *, case: str, tol: dict, seq_lens: list[int], block_size: int,
-                    num_kv_heads: int, query_lens: list[int] | None = None, hint: str = "") -> None:
+                    num_kv_heads: int, query_lens: list[int] | None = None, hint: str = "",
+                    notes: list[str] = ()) -> None:
     """Compare [tokens, heads, head_dim] attention outputs. query_lens=None: decode (one query
     row per sequence); else prefill, rows grouped by sequence (query_lens[i] rows for seq i)."""
     problem = _shape_problem(actual, expected)
@@ -110,6 +114,7 @@ def check_attention(actual, expected, *, case: str, tol: dict, seq_lens: list[in
         lines.append(f"match:  {_listing(good_seqs, seq)}")
     lines += _attention_patterns(bad_seqs, good_seqs, nan_seqs, bad_rows, seq_lens, query_lens,
                                  block_size, num_kv_heads, prefill)
+    lines += notes
     lines.append(_worst(actual, expected, bad, lambda i: f"token row {i[0]} (seq {int(row_seq[i[0]])}), "
                                                          f"head {i[1]}, dim {i[2]}"))
     if hint:

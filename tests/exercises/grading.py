@@ -134,16 +134,17 @@ def check_decode_attention(ex, case, num_heads, num_kv_heads, head_dim, block_si
                                           block_tables, lens, scale)
     close = isinstance(actual, torch.Tensor) and actual.shape == expected.shape and \
         torch.allclose(actual, expected, **FP32_TOL)
+    notes = []
     if not close and num_splits > 1:
         one_split = ex.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, 1)
         if one_split.shape == expected.shape and torch.allclose(one_split, expected, **FP32_TOL):
-            hint = (f"with num_splits=1 these inputs match, with {num_splits} they do not: check the split "
-                    "ranges (together they cover keys 0..seq_len-1 once; a split past the end weighs "
-                    "nothing) and the combine (weights exp(lse_i - max lse), normalised). " + hint)
+            notes.append(f"-> with num_splits=1 these inputs match, with {num_splits} they do not: check the "
+                         "split ranges (together they cover keys 0..seq_len-1 once; a split past the end "
+                         "weighs nothing) and the combine: lse_i = m_i + log(l_i), weights exp(lse_i - max lse)")
     case = f"{case!r} ({num_heads} query / {num_kv_heads} kv heads, head_dim {head_dim}, block_size " \
            f"{block_size}, num_splits {num_splits}, seq_lens {seq_lens})"
     check_attention(actual, expected, case=case, tol=FP32_TOL, seq_lens=seq_lens, block_size=block_size,
-                    num_kv_heads=num_kv_heads, hint=hint)
+                    num_kv_heads=num_kv_heads, hint=hint, notes=notes)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -248,4 +249,20 @@ SMOKE_CALLS = {
     ],
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
+    "ex12_quantized_store_kv": [
+        lambda m: _store_int8(m, *_int8_cache()),
+        lambda m: m.dequantize_slots(_int8_cache()[0], _int8_cache()[2], torch.tensor([0, 17], device=DEVICE)),
+    ],
 }
+
+
+def _store_int8(module, k_cache, v_cache, k_scales, v_scales):
+    rows = torch.ones(2, 1, 16, device=DEVICE)
+    return module.store_kv(rows, rows, k_cache, v_cache, torch.tensor([0, 17], device=DEVICE), k_scales, v_scales)
+
+
+def _int8_cache():
+    """k_cache, v_cache (int8) and k_scales, v_scales of 2 blocks of 16 slots, 1 kv head of 16."""
+    codes = [torch.zeros(2, 16, 1, 16, dtype=torch.int8, device=DEVICE) for _ in range(2)]
+    scales = [torch.ones(2, 16, 1, device=DEVICE) for _ in range(2)]
+    return codes[0], codes[1], scales[0], scales[1]

@@ -32,7 +32,8 @@ class Grade:
         counts = self.counts
         if self.crashed:
             done = f"; {counts['passed']} passed, {counts['failed']} failed before it" if sum(counts.values()) else ""
-            return f"CRASHED  {self.crashed}{done}"
+            label = {"hung": "HUNG", "could": "ERROR"}.get(self.crashed.split()[0].rstrip(":"), "CRASHED")
+            return f"{label:8s} {self.crashed}{done}"
         if counts["failed"]:
             return f"FAILING  {counts['failed']} failed, {counts['passed']} passed"
         if self.not_written and not counts["passed"]:

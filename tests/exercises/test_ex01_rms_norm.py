@@ -9,7 +9,7 @@ from llmlab.kernels import reference
 EXERCISE = "ex01_rms_norm"
 
 
-@pytest.mark.parametrize("hidden_size", [576, 64, 1000])  # SmolLM2's, a power of two, a ragged tail
+@pytest.mark.parametrize("hidden_size", [576, 64, 1000], ids=["hidden-576-smollm2", "hidden-64", "hidden-1000-ragged"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_matches_reference(ex, hidden_size, with_residual):
     gen = torch.Generator().manual_seed(hidden_size)

@@ -9,7 +9,8 @@ from llmlab.kernels import reference
 EXERCISE = "ex02_silu_mul"
 
 
-@pytest.mark.parametrize("n", [8, 300, 2 * 1024 + 5])  # tiny; one partial block; three blocks, ragged tail
+@pytest.mark.parametrize("n", [8, 300, 2 * 1024 + 5],
+                         ids=["n-8-tiny", "n-300-one-partial-block", "n-2053-ragged-tail"])
 def test_matches_reference(ex, n):
     gen = torch.Generator().manual_seed(n)
     x = randn_view(4, 2 * n, gen=gen) * 4  # gates well into silu's curved part, and very negative ones

@@ -11,7 +11,8 @@ LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0
                   "original_max_position_embeddings": 8192}
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])  # SmolLM2's; Llama's head_dim
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)],
+                         ids=["smollm2-9-3-dim-64", "4-2-dim-128"])  # SmolLM2's; Llama's head_dim
 @pytest.mark.parametrize("theta,scaling", [(10000.0, None), (500000.0, LLAMA3_SCALING)], ids=["plain", "llama3"])
 def test_matches_reference(ex, num_heads, num_kv_heads, head_dim, theta, scaling):
     gen = torch.Generator().manual_seed(head_dim)

@@ -8,8 +8,8 @@ from llmlab.kernels import reference
 EXERCISE = "ex04_store_kv"
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (2, 128)])
+@pytest.mark.parametrize("block_size", [16, 32], ids=["block-16", "block-32"])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (2, 128)], ids=["3-kv-heads-dim-64", "2-kv-heads-dim-128"])
 def test_matches_reference(ex, block_size, num_kv_heads, head_dim):
     gen = torch.Generator().manual_seed(block_size + head_dim)
     num_tokens, num_blocks = 9, 5

@@ -10,7 +10,8 @@ TILE = 64  # exercises/ex05's BLOCK: columns per tile
 EXERCISE = "ex05_online_softmax"
 
 
-@pytest.mark.parametrize("num_cols", [1, 64, 100, 1000])  # one column; one full tile; a ragged tail; many tiles
+@pytest.mark.parametrize("num_cols", [1, 64, 100, 1000],
+                         ids=["1-column", "64-one-full-tile", "100-ragged-tail", "1000-many-tiles"])
 def test_matches_softmax(ex, num_cols):
     x = randn_view(5, num_cols, gen=torch.Generator().manual_seed(num_cols)) * 5
     check_rows(ex.online_softmax(x), torch.softmax(x, dim=-1), case=f"rows of {num_cols} columns", tol=FP32_TOL,
