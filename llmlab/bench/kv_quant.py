@@ -120,13 +120,13 @@ def new_cache(model, num_tokens, dtype, block_size=16, device=None):
 def chunk_logprobs(model, token_ids, kv_cache, start, block_size=16, store_kv=None):
     """Log-probabilities [n, vocab] of the token after each of token_ids[start:start + CHUNK],
     with everything before `start` already in kv_cache (one prefill chunk)."""
-    from llmlab.engine.runner import Runner
+    from llmlab.engine.runner import prepare
     from llmlab.scheduler import Plan, ScheduledItem
 
     device = kv_cache.device.device
     num = min(CHUNK, len(token_ids) - start)
     plan = Plan(prefills=[ScheduledItem(_request(token_ids, block_size), "prefill", num, start)])
-    input_ids, positions, batch = Runner(model, kv_cache, block_size, device).prepare(plan)
+    input_ids, positions, batch = prepare(plan, block_size, device)
     batch.logits_indices = torch.arange(num, device=device)   # every position, not only the last
     with kernels.override(**({"store_kv": store_kv} if store_kv else {})):
         logits = model.forward(input_ids, positions, batch, kv_cache.device, kv_cache.device_scales)

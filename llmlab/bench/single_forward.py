@@ -83,37 +83,19 @@ def _profile(fn, title) -> None:
 
 def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
     """(prefill ms, decode ms) for one forward: `batch_size` prompts of `seq_len` tokens,
-    then one decode step of those sequences at context seq_len (graph replay when captured)."""
-    import torch
+    then one decode step of those sequences after seq_len cached tokens (graph replay when
+    captured). The batches are dummy plans (runner.dummy_plan) over an unused cache."""
+    from llmlab.engine.runner import dummy_plan
 
-    from llmlab.request import Request
-    from llmlab.sampling import SamplingParams
-    from llmlab.scheduler import Plan, ScheduledItem
-
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(batch_size * 7919 + seq_len)
-    requests = []
-    for i in range(batch_size):
-        ids = torch.randint(16, vocab, (seq_len + 1,), generator=gen).tolist()
-        r = Request(f"bench-{i}", None, ids[:seq_len], SamplingParams())
-        r.output_token_ids = ids[seq_len:]
-        engine.block_manager.allocate(r, seq_len + 1)
-        requests.append(r)
-    try:
-        prefill_ms = None
-        if do_prefill:
-            plan = Plan(prefills=[ScheduledItem(r, "prefill", seq_len, 0) for r in requests])
-            inputs = engine.runner.prepare(plan)
-            prefill_ms = _time_cuda(lambda: engine.runner.forward(*inputs))
-        plan = Plan(decodes=[ScheduledItem(r, "decode", 1, seq_len) for r in requests])
-        inputs = engine.runner.prepare(plan)
-        decode_ms = _time_cuda(lambda: engine.runner.forward(*inputs), repeats=20)
-        if profile:
-            _profile(lambda: engine.model.forward(*inputs, engine.kv_cache.device, engine.kv_cache.device_scales),
-                     f"eager decode step, batch {batch_size}, context {seq_len}")
-    finally:
-        for r in requests:
-            engine.block_manager.free(r)
+    runner, block_size = engine.runner, engine.config.block_size
+    prefill_ms = None
+    if do_prefill:
+        inputs = runner.prepare(dummy_plan(block_size, prefills=[(seq_len, seq_len)] * batch_size))
+        prefill_ms = _time_cuda(lambda: runner.forward(*inputs))
+    inputs = runner.prepare(dummy_plan(block_size, decodes=[seq_len + 1] * batch_size))
+    decode_ms = _time_cuda(lambda: runner.forward(*inputs), repeats=20)
+    if profile:
+        _profile(lambda: runner.forward(*inputs, eager=True), f"eager decode step, batch {batch_size}, context {seq_len}")
     return prefill_ms, decode_ms
 
 

@@ -11,13 +11,10 @@ import time
 import torch
 
 from llmlab.cache.block_manager import BlockManager
-from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab.config import EngineConfig, ModelConfig
-from llmlab.engine.host_memory import keep_freed_memory
-from llmlab.engine.runner import Runner
+from llmlab.engine.model_runner import ModelRunner
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
 from llmlab import kernels
-from llmlab.model import dense
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from llmlab.request import ContextLengthError, Request, RequestOutput, RequestStatus
@@ -30,55 +27,18 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, policy=fcfs):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights)."""
         self.config = config
-        self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype()
-        self.backend = config.resolved_backend()
-        if model is None:
-            from llmlab.model.loader import iter_weights, load_config, resolve_model
-
-            folder = resolve_model(config.model)
-            model_config = load_config(folder)
-            # tensor parallel: the full model waits on the CPU to be cut into per-GPU shards
-            load_device = self.device if config.tensor_parallel_size == 1 else torch.device("cpu")
-            model = LlamaModel.from_state_dict(model_config, iter_weights(folder), self.dtype,
-                                               load_device, self.backend)
-            has_tokenizer = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-            if tokenizer is None and has_tokenizer:   # a bare weights folder runs on token ids
-                tokenizer = Tokenizer(str(folder))
-        # ---- tensor parallelism (llmlab.engine.distributed): this process is rank 0 and keeps
-        # one shard; its forward also runs the shards of tensor_parallel_size - 1 workers
-        self.executor = None
-        if config.tensor_parallel_size > 1:
-            from llmlab.engine.distributed import TensorParallelExecutor
-
-            self.executor = TensorParallelExecutor(config, model.config)   # starts the workers
-            model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
-        # ----
-        model.backend = self.backend
-        if self.device.type == "cpu":
-            dense.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
-            keep_freed_memory()               # no page faults for every large temporary
-        self.model, self.tokenizer = model, tokenizer
-        self.model_config: ModelConfig = model.config
-
-        weights_bytes = model.num_parameters() * model.embed.element_size()
-        num_device, num_host = num_blocks_for(config, self.model_config, self.dtype, self.device,
-                                              weights_bytes, self._profile_activation_bytes())
-        self.kv_cache = KVCache(self.model_config, num_device, num_host, config.block_size,
-                                kv_cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
-        # full attention equals sliding-window attention only within the window
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.sliding_window or 1 << 62,
-                                 num_device * config.block_size)
-        self.block_manager = BlockManager(num_device, num_host, config.block_size,
+        # load -> prepack -> memory profile -> KV cache -> graphs -> warm-up: the runner's work
+        self.runner = ModelRunner(config, model, tokenizer)
+        runner = self.runner
+        self.device, self.dtype, self.backend = runner.device, runner.dtype, runner.backend
+        # the runner's, kept here by name for notebooks and tests (engine.model.capture(), ...)
+        self.model, self.kv_cache, self.executor = runner.model, runner.kv_cache, runner.executor
+        self.tokenizer = runner.tokenizer
+        self.model_config: ModelConfig = runner.model_config
+        self.max_model_len = runner.max_model_len
+        self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy)
-        use_graphs = (self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager
-                      and self.executor is None)   # a graph replay would skip the workers' step
-        self.runner = Runner(model, self.kv_cache, config.block_size, self.device,
-                             config.max_num_seqs, self.max_model_len, use_graphs)
-        if self.device.type == "cuda" and self.backend == "triton" and self.executor is None:
-            self.runner.warm_up()   # compile the Triton kernel variants before the first request
         self.sampler = Sampler(config.seed, self.backend)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
@@ -87,31 +47,9 @@ class LLMEngine:
         self._freed_blocks: list[int] = []     # since the last StepRecord
         self._ids = itertools.count()
         eos = set(self.model_config.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-
-    def _profile_activation_bytes(self) -> int:
-        """Peak extra memory of a worst-case forward (full token budget), measured on CUDA."""
-        if self.device.type != "cuda" or self.config.num_gpu_blocks is not None:
-            return 0
-        from llmlab.scheduler import ScheduledItem
-
-        tokens = self.config.max_num_batched_tokens
-        probe = KVCache(self.model_config, -(-tokens // self.config.block_size), 0,
-                        self.config.block_size, self.dtype, self.device)
-        request = Request("profile", None, [0] * tokens, SamplingParams())
-        request.block_table = list(range(probe.device.shape[2]))
-        plan = Plan(prefills=[ScheduledItem(request, "prefill", tokens, 0)])
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        Runner(self.model, probe, self.config.block_size, self.device).execute(plan)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del probe
-        torch.cuda.empty_cache()
-        return int(peak * 1.2)   # headroom for allocator fragmentation
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -177,10 +115,7 @@ class LLMEngine:
         clock = time.perf_counter()
         plan = self.scheduler.schedule()
         timings["schedule"], clock = time.perf_counter() - clock, time.perf_counter()
-        self.kv_cache.swap_out(plan.swap_out_copies)   # before swap-in: they may reuse blocks
-        self.kv_cache.swap_in(plan.swap_in_copies)
-        if self.executor is not None:   # every rank caches its own kv heads
-            self.executor.swap(plan.swap_out_copies, plan.swap_in_copies)
+        self.runner.swap(plan.swap_out_copies, plan.swap_in_copies)
         timings["swap"], clock = time.perf_counter() - clock, time.perf_counter()
         sampled, advanced, kernel_timings = {}, [], {}
         if not plan.is_empty:
@@ -188,8 +123,7 @@ class LLMEngine:
             timings["prepare"], clock = self._lap(clock)
             if self.kernel_timing:   # eager, so that every kernel call is seen
                 with kernels.time_kernels() as kernel_timings:
-                    logits = self.model.forward(input_ids, positions, batch, self.kv_cache.device,
-                                                self.kv_cache.device_scales)
+                    logits = self.runner.forward(input_ids, positions, batch, eager=True)
             else:
                 logits = self.runner.forward(input_ids, positions, batch)
             timings["forward"], clock = self._lap(clock)

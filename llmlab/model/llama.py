@@ -30,7 +30,7 @@ from llmlab.model.dense import linear
 
 @dataclass
 class ForwardBatch:
-    """Everything the forward needs besides token ids and positions (built by the Runner)."""
+    """Everything the forward needs besides token ids and positions (built by engine/runner.py)."""
     num_prefill_tokens: int              # the first tokens of the batch belong to prefill chunks
     slot_mapping: torch.Tensor           # [T] cache slot of each new token
     prefill_cu_seqlens_q: torch.Tensor   # [P + 1] start of each prefill chunk in the batch

@@ -1,0 +1,169 @@
+"""ModelRunner: the model's whole life, from weights on disk to logits of a Plan.
+
+At start-up, in this order:
+  load        the model folder (or the LlamaModel given), the tokenizer beside it
+  distribute  tensor parallelism: the model cut into shards, one per rank (distributed.py)
+  prepack     on a CPU, each weight in oneDNN's blocked layout (dense.py, host_memory.py)
+  profile     on CUDA, the peak activation memory of a worst-case forward
+  KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
+  graphs      CUDA graphs of decode steps (cuda_graphs.py)
+  warm-up     throwaway batches of many shapes, so Triton compiles before the first request
+Then every step: `swap` (block copies of the plan), `prepare` (runner.py: the flat batch)
+and `forward` (logits), which `execute` chains for a whole plan.
+
+The runner knows nothing of requests' futures: the engine hands it a Plan, it hands back
+logits. Sampling and the bookkeeping after the step are the engine's and the scheduler's.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
+from llmlab.config import EngineConfig, ModelConfig
+from llmlab.engine import runner
+from llmlab.engine.host_memory import keep_freed_memory
+from llmlab.model import dense
+from llmlab.model.llama import ForwardBatch, LlamaModel
+from llmlab.model.tokenizer import Tokenizer
+from llmlab.scheduler import Plan
+
+
+def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend: str):
+    """(model, its folder) from `config.model`: a HF folder, a .gguf file or the embedded
+    model. With tensor parallelism the whole model waits on the CPU, to be cut into shards."""
+    from llmlab.model.loader import iter_weights, load_config, resolve_model
+
+    folder = resolve_model(config.model)
+    load_device = device if config.tensor_parallel_size == 1 else torch.device("cpu")
+    return LlamaModel.from_state_dict(load_config(folder), iter_weights(folder), dtype, load_device, backend), folder
+
+
+def folder_tokenizer(folder) -> Tokenizer | None:
+    """The tokenizer saved beside the weights; None for a bare weights folder (it runs on ids)."""
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return Tokenizer(str(folder))
+    return None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None):
+        """Loads `config.model`, or runs the given model (and tokenizer), e.g. random weights."""
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.backend = config.resolved_backend()
+        self.block_size = config.block_size
+        if model is None:
+            model, folder = load(config, self.device, self.dtype, self.backend)
+            tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(folder)
+        self.tokenizer = tokenizer
+        # tensor parallelism (llmlab.engine.distributed): this process is rank 0 and keeps one
+        # shard; its forward also runs the shards of tensor_parallel_size - 1 workers
+        self.executor = None
+        if config.tensor_parallel_size > 1:
+            from llmlab.engine.distributed import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config, model.config)   # starts the workers
+            model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
+        model.backend = self.backend
+        if self.device.type == "cpu":
+            dense.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
+            keep_freed_memory()               # no page faults for every large temporary
+        self.model = model
+        self.model_config: ModelConfig = model.config
+        # read once: the decode kernel's split choice depends on how many SMs there are
+        self.num_sms = None
+        if self.backend == "triton" and self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+
+        weights_bytes = model.num_parameters() * model.embed.element_size()
+        self.num_device_blocks, self.num_host_blocks = num_blocks_for(
+            config, self.model_config, self.dtype, self.device, weights_bytes, self.profile_activation_bytes())
+        self.kv_cache = KVCache(self.model_config, self.num_device_blocks, self.num_host_blocks, self.block_size,
+                                kv_cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
+        # full attention equals sliding-window attention only within the window
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.sliding_window or 1 << 62,
+                                 self.num_device_blocks * self.block_size)
+
+        compiled = self.device.type == "cuda" and self.backend == "triton"
+        self.graphs = None
+        # a graph replay would skip the tensor-parallel workers' step
+        if compiled and not config.enforce_eager and self.executor is None:
+            from llmlab.engine.cuda_graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs,
+                                           -(-self.max_model_len // self.block_size))
+        if compiled and self.executor is None:
+            self.warm_up()   # compile the Triton kernel variants before the first request
+
+    # ---- start-up ----------------------------------------------------------------------
+    def profile_activation_bytes(self) -> int:
+        """Peak extra memory of a worst-case forward (full token budget), measured on CUDA."""
+        if self.device.type != "cuda" or self.config.num_gpu_blocks is not None:
+            return 0
+        tokens = self.config.max_num_batched_tokens
+        plan = runner.dummy_plan(self.block_size, prefills=[(tokens, tokens)])
+        probe = KVCache(self.model_config, runner.num_blocks_of(plan, self.block_size), 0,
+                        self.block_size, self.dtype, self.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.model.forward(*self.prepare(plan), probe.device, probe.device_scales)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del probe
+        torch.cuda.empty_cache()
+        return int(peak * 1.2)   # headroom for allocator fragmentation
+
+    def warm_up(self) -> None:
+        """Run a few throwaway batches of different shapes (runner.WARM_UP_SHAPES) so that
+        Triton compiles its kernel variants now rather than inside the first requests' steps
+        (a first mixed step took 2 s on an H200). They write K/V into blocks that no request
+        owns yet."""
+        num_blocks = self.kv_cache.device.shape[2]
+        for chunks, contexts in runner.WARM_UP_SHAPES:
+            plan = runner.dummy_plan(self.block_size, prefills=[(n, n) for n in chunks], decodes=contexts)
+            if max(chunks + contexts) > self.max_model_len or runner.num_blocks_of(plan, self.block_size) > num_blocks:
+                continue   # a small engine never sees this shape
+            self.execute(plan)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- every step ----------------------------------------------------------------------
+    def swap(self, swap_out_copies: list[tuple[int, int]], swap_in_copies: list[tuple[int, int]]) -> None:
+        """The plan's block copies between device and host, out before in (swap-ins may
+        reuse the blocks just swapped out); every tensor-parallel rank caches its own heads."""
+        self.kv_cache.swap_out(swap_out_copies)
+        self.kv_cache.swap_in(swap_in_copies)
+        if self.executor is not None:
+            self.executor.swap(swap_out_copies, swap_in_copies)
+
+    def num_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        """Flash-decoding splits for the Triton decode kernel (1 = PagedAttention v1), rounded
+        down to a power of two so that few CUDA graphs cover every context length."""
+        if self.num_sms is None:
+            return 1
+        from llmlab.kernels.triton_decode_attention import choose_num_splits
+
+        splits = choose_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms)
+        return 1 << (splits.bit_length() - 1)
+
+    def prepare(self, plan: Plan):
+        """input_ids [T], positions [T] and the ForwardBatch of the plan (runner.prepare)."""
+        max_context = max((item.start_position + 1 for item in plan.decodes), default=0)
+        return runner.prepare(plan, self.block_size, self.device, self.num_splits(len(plan.decodes), max_context))
+
+    def forward(self, input_ids, positions, batch: ForwardBatch, eager: bool = False) -> torch.Tensor:
+        """Logits [num_seqs, vocab]: a CUDA graph replay for pure-decode batches when graphs
+        were captured (and neither hook points nor `eager` ask to see every kernel), the
+        eager forward otherwise."""
+        num_seqs = batch.logits_indices.shape[0]
+        if (self.graphs is not None and not eager and batch.num_prefill_tokens == 0 and self.model.taps is None
+                and self.graphs.can_run(num_seqs)):
+            return self.graphs.run(input_ids, positions, batch)
+        return self.model.forward(input_ids, positions, batch, self.kv_cache.device, self.kv_cache.device_scales)
+
+    def execute(self, plan: Plan) -> torch.Tensor:
+        """Run the plan's forward; logits [len(plan.items), vocab], rows in plan.items order."""
+        return self.forward(*self.prepare(plan))
