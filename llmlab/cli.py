@@ -107,6 +107,7 @@ BENCHMARKS = {
     "calibrate": "llmlab.bench.calibrate",
     "simulate": "llmlab.bench.simulate",
     "head-of-line": "llmlab.bench.head_of_line",
+    "sampler": "llmlab.bench.sampler",
 }
 
 

@@ -85,16 +85,21 @@ class Sampler:
         tokens its request has generated) -> int64 [S] token ids, on the logits' device."""
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
-        device = logits.device
-        # two small host->device copies per step, whatever the batch: [S, 4] floats, [2, S] ints
+        # a few numbers per row, built on the host: the kernel moves them to the device (the
+        # Triton one also reads them there to skip the passes no row needs)
         floats = torch.tensor([(p.temperature, p.top_p, p.min_p, p.top_k) for p in params],
                               dtype=torch.float32)
-        ints = torch.tensor([seeds, positions], dtype=torch.int64)
-        if device.type == "cuda":
-            floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
         temperature, top_p, min_p, top_k = floats.unbind(dim=1)
-        return kernels.sample(logits, temperature, top_k.int(), top_p, min_p, ints[0], ints[1],
+        return kernels.sample(logits, temperature, top_k.int(), top_p, min_p,
+                              torch.tensor(seeds, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                               backend=self.backend)
+
+    def warm_up(self, vocab_size: int, device, dtype) -> None:
+        """Compile the sampling kernel now (one call takes every branch: top-k, top-p, min-p),
+        not inside the first request's step."""
+        logits = torch.zeros(2, vocab_size, device=device, dtype=dtype)
+        params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01), SamplingParams()]
+        self(logits, params, [0, 1], [0, 0]).tolist()
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -104,7 +109,7 @@ class Sampler:
         top_k = torch.tensor([p.top_k for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-        x = filter_logits(logits.float() / temperature[:, None], top_k, top_p, min_p)
+        x = filter_logits(logits.float() * (1.0 / temperature)[:, None], top_k, top_p, min_p)
         probs = x.softmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()

@@ -41,6 +41,10 @@ def add_arguments(parser) -> None:
                           help='more settings, e.g. greedy "temperature=0.7,top_p=0.9" "temperature=0.7,top_p=0.9,seed=1"')
     parser.add_argument("--compare-prefix-caching", action="store_true",
                         help="run every setting with prefix caching off, then on")
+    parser.add_argument("--warmup", choices=["auto", "full", "light"], default="auto",
+                        help="before timing, run the whole workload once (full) or one short request "
+                             "(light); auto = full on a GPU, where first runs compile kernels and "
+                             "capture CUDA graphs for new flash-decoding splits")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     # engine flags from EngineConfig (a bigger batch than the engine's default); --seed above is the sampler's
     add_engine_arguments(parser, defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
@@ -99,11 +103,21 @@ def build_llm(args, **overrides):
     return llmlab.LLM(args.model, **kwargs)
 
 
+def warm_up(llm, requests, setting: dict, full: bool) -> None:
+    from llmlab import SamplingParams
+
+    if full:
+        llm.generate([ids for ids, _ in requests],
+                     [SamplingParams(max_tokens=n, ignore_eos=True, **setting) for _, n in requests])
+    else:
+        llm.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, **setting))
+
+
 def run_llmlab(llm, requests, setting: dict) -> dict:
     from llmlab import SamplingParams
 
     params = [SamplingParams(max_tokens=n, ignore_eos=True, **setting) for _, n in requests]
-    llm.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, **setting))   # warm-up
+    warm_up(llm, requests, setting, full=False)       # this setting's own kernels
     llm.engine.block_manager.reset_prefix_cache()     # each setting starts from a cold cache
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in requests], params, use_tqdm=True)
@@ -199,6 +213,8 @@ def main(args) -> list[dict]:
         meta = engine.dtype, engine.device.type, engine.backend
         vocab = engine.model_config.vocab_size
         requests = workload(args, vocab)
+        full = args.warmup == "full" or args.warmup == "auto" and meta[1] == "cuda"
+        warm_up(llm, requests, settings[0], full)
         for setting in settings:
             results.append(run_llmlab(llm, requests, setting))
         del llm, engine

@@ -40,6 +40,8 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy)
         self.sampler = Sampler(config.seed, self.backend)
+        if self.device.type == "cuda" and self.backend == "triton":
+            self.sampler.warm_up(self.model_config.vocab_size, self.device, self.dtype)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
         self.requests: dict[str, Request] = {}

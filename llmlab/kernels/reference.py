@@ -317,8 +317,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     logits [S, V] (any float dtype); temperature, top_p, min_p float32 [S]; top_k int32 [S];
     seeds, positions int64 [S]. Returns int64 [S]. See kernels_explained/sampling.md.
     """
+    temperature, top_k, top_p, min_p, seeds, positions = (
+        t.to(logits.device) for t in (temperature, top_k, top_p, min_p, seeds, positions))
     greedy = logits.argmax(dim=-1)
-    x = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    # times the reciprocal, as every backend computes it (a division per token is slower on a GPU)
+    x = logits.float() * (1.0 / torch.where(temperature > 0, temperature, 1.0))[:, None]
     x = filter_logits(x, top_k, top_p, min_p)
     token_ids = torch.arange(x.shape[-1], device=x.device)
     noise = gumbel_noise(row_keys(seeds, positions)[:, None], token_ids[None, :])

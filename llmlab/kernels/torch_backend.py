@@ -196,7 +196,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
 # only for the rows whose cut lies deeper), and noise is drawn only for tokens above the cut
 # and within GUMBEL_SPAN of the row's maximum (the others can never win). Same tokens as
 # the reference: the same noise per (seed, position, token) and the same cut.
-_CANDIDATES = (64, 1024, 8192)
+_FIRST_CANDIDATES = 64
 
 
 def _rank_cut(x, top_k, top_p):
@@ -204,9 +204,8 @@ def _rank_cut(x, top_k, top_p):
     S, V = x.shape
     cut = torch.empty(S, dtype=x.dtype, device=x.device)
     log_z = x.logsumexp(dim=-1)             # normalizer when top-k is off
-    rows = torch.arange(S, device=x.device)
-    sizes = [c for c in _CANDIDATES if c < V] + [V]
-    for K in sizes:
+    rows, K = torch.arange(S, device=x.device), min(_FIRST_CANDIDATES, V)
+    while rows.numel():
         xs, k, p = x[rows], top_k[rows], top_p[rows]
         values = xs.topk(K, dim=-1).values if K < V else xs.sort(dim=-1, descending=True).values
         k_seen = k <= K
@@ -223,18 +222,47 @@ def _rank_cut(x, top_k, top_p):
         done = k_seen | ((k == V) & (num_kept < K)) | (K == V)
         found = values.gather(1, (num_kept.clamp(min=1) - 1)[:, None])[:, 0]
         cut[rows[done]] = found[done]
-        rows = rows[~done]
-        if rows.numel() == 0:
+        if done.all():
             break
+        # next K: enough for the deepest top-k left, and for top-p as many again as the mass
+        # still missing suggests (a flat row goes straight to the full sort)
+        left = ~done
+        mass = probs[left].sum(dim=-1).clamp(min=1e-6)
+        want = torch.maximum(k[left].float(), K * 2 * p[left] / mass)
+        K = int(min(V, max(8 * K, want.max().item())))
+        K = V if K > V // 4 else K
+        rows = rows[left]
     return cut
 
 
+def _gumbel_noise(keys, token_ids, chunk=32768):
+    """reference.gumbel_noise, bit for bit, in place and in cache-sized chunks (a flat row
+    at temperature alone needs noise for most of the vocabulary)."""
+    out = torch.empty(token_ids.shape, dtype=torch.float32, device=token_ids.device)
+    for i in range(0, token_ids.numel(), chunk):
+        h = token_ids[i:i + chunk] * reference._GOLDEN
+        h += keys[i:i + chunk]
+        h &= reference._M32
+        for _ in range(2):
+            h ^= h >> 16
+            h *= reference._MIX
+            h &= reference._M32
+        h ^= h >> 16
+        h >>= 9
+        u = out[i:i + chunk]
+        u.copy_(h).add_(0.5).mul_(2.0 ** -23)
+        u.log_().neg_().log_().neg_()
+    return out
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    temperature, top_k, top_p, min_p, seeds, positions = (
+        t.to(logits.device) for t in (temperature, top_k, top_p, min_p, seeds, positions))
     tokens = logits.argmax(dim=-1)
     rows = (temperature > 0).nonzero()[:, 0]
     if rows.numel() == 0:
         return tokens
-    x = logits[rows].float() / temperature[rows, None]
+    x = logits[rows].float() * (1.0 / temperature[rows])[:, None]
     V = x.shape[-1]
     m = x.amax(dim=-1)
     cut = torch.maximum(m - reference.GUMBEL_SPAN, m + torch.log(min_p[rows]))
@@ -245,7 +273,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
         cut[ranked] = torch.maximum(cut[ranked], _rank_cut(x[ranked], k[ranked], p[ranked]))
     r, t = (x >= cut[:, None]).nonzero(as_tuple=True)      # the candidates, row-major
     keys = reference.row_keys(seeds[rows], positions[rows])
-    score = x[r, t] + reference.gumbel_noise(keys[r], t)
+    score = x[r, t] + _gumbel_noise(keys[r], t)
     best = torch.full((rows.numel(),), float("-inf"), device=x.device).scatter_reduce(0, r, score, "amax")
     win = score == best[r]
     choice = torch.zeros(rows.numel(), dtype=torch.int64, device=x.device).scatter_(0, r[win], t[win])

@@ -1,12 +1,16 @@
-"""Sampling in one Triton program per row: temperature, top-k, top-p, min-p and the
-Gumbel-max draw, with no sort and no host round trip (kernels_explained/sampling.md).
+"""Sampling with Triton: temperature, top-k, top-p, min-p and the Gumbel-max draw for the
+whole batch, with no sort (kernels_explained/sampling.md).
 
-The cuts are found by radix select on the logits' bits: a float maps to a 32-bit key whose
-unsigned order is the float order, and 8 passes over the row each fix 4 more bits of the
-cut, by a 16-bucket histogram of the tokens that share the bits fixed so far (counts for
-top-k, probability mass for top-p). The last pass adds counter-based Gumbel noise to the
-tokens above the cut and takes the argmax. Rows with temperature 0 are left to the caller's
-argmax. Same tokens as `reference.sample` up to float rounding in the sums.
+Each row is split into P chunks, one program each, so that even one row keeps many SMs
+busy (a row is 128k logits; one program streaming it alone waits on memory latency). The
+cuts are found by radix select on the logits' bits: a float maps to an integer key whose
+order is the float order (16 bits for bf16/fp16 logits, 32 for fp32), and each pass fixes
+4 more bits of the cut from a 16-bucket histogram of the tokens that share the bits fixed
+so far, weighted by 1 (top-k) or by probability (top-p). A pass is one launch: every
+program of a row first sums the P partial histograms of the previous pass and takes the
+same decision, so no program waits on another. The last pass adds counter-based Gumbel
+noise to the kept tokens; the best of the P chunks wins. Same tokens as `reference.sample`
+up to float rounding in the sums.
 """
 from __future__ import annotations
 
@@ -16,7 +20,31 @@ import triton.language as tl
 
 from .reference import GUMBEL_SPAN
 
-BLOCK = 1024
+import os
+
+# The [BLOCK, 16] histogram lanes are BLOCK * 16 / (32 * NUM_WARPS) registers a thread: small
+# enough that several programs share an SM (occupancy hides memory latency). Tunable for
+# measurements (llmlab bench sampler) through the environment.
+BLOCK = int(os.environ.get("LLMLAB_SAMPLE_BLOCK", 512))
+NUM_WARPS = int(os.environ.get("LLMLAB_SAMPLE_WARPS", 8))
+TARGET_PROGRAMS = int(os.environ.get("LLMLAB_SAMPLE_PROGRAMS", 512))   # chunks per row = this / rows
+MAX_CHUNKS = 128            # chunk partials a program reads: one fixed size, one compiled variant
+_workspace: dict = {}       # device -> a byte buffer the per-call scratch tensors are cut from
+
+
+def _scratch(device, shapes_dtypes):
+    """Views of one cached buffer (no allocations per call), each 256-byte aligned."""
+    sizes = [(-(-torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() // 256)) * 256
+             for shape, dtype in shapes_dtypes]
+    buffer = _workspace.get(device)
+    if buffer is None or buffer.numel() < sum(sizes):
+        buffer = _workspace[device] = torch.empty(max(sum(sizes), 1 << 20), dtype=torch.uint8, device=device)
+    views, offset = [], 0
+    for (shape, dtype), size in zip(shapes_dtypes, sizes):
+        count = torch.Size(shape).numel()
+        views.append(buffer[offset:offset + size].view(dtype)[:count].view(shape))
+        offset += size
+    return views
 
 
 @triton.jit
@@ -28,120 +56,254 @@ def _mix32(x):
 
 
 @triton.jit
-def _sortable(x):
-    # float32 -> int64 holding a uint32 key with the same order as the floats
-    bits = x.to(tl.uint32, bitcast=True)
-    key = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
-    return key.to(tl.int64) & 0xFFFFFFFF
+def _key(raw, KEY_BITS: tl.constexpr):
+    # a logit (bf16/fp16: 16-bit key, fp32: 32-bit) -> int64 key in the same order
+    # 16-bit keys stay in int32: 64-bit integer ops take several instructions each, and the
+    # histogram compares every token's digit 16 times
+    if KEY_BITS == 16:
+        bits = raw.to(tl.uint16, bitcast=True).to(tl.int32)
+        return tl.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)
+    else:
+        bits = raw.to(tl.uint32, bitcast=True).to(tl.int64)
+        return tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
 
 
 @triton.jit
-def _scaled(logits_ptr, offs, V, inv_t):
-    x = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    return x * inv_t
+def _as_key(value, KEY_BITS: tl.constexpr):
+    if KEY_BITS == 16:
+        return value.to(tl.int32)
+    else:
+        return value.to(tl.int64)
 
 
 @triton.jit
-def _radix_select(logits_ptr, V, inv_t, m, floor_key, target, USE_MASS: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """The key c of the largest logit such that the tokens with key >= c (and >= floor_key)
-    weigh >= target: weight 1 per token (top-k) or exp(x - m) (top-p)."""
+def _row_stats(stats_ptr, row, P, P_BLOCK: tl.constexpr):
+    # the row's max and softmax normalizer from the P chunks' (max, sum) partials
+    c = tl.arange(0, P_BLOCK)
+    m_c = tl.load(stats_ptr + (row * P + c) * 2, mask=c < P, other=float("-inf"))
+    z_c = tl.load(stats_ptr + (row * P + c) * 2 + 1, mask=c < P, other=0.0)
+    m = tl.max(m_c, axis=0)
+    return m, tl.sum(tl.where(m_c == float("-inf"), 0.0, z_c * tl.exp(m_c - m)), axis=0)
+
+
+@triton.jit
+def _decide(hist_ptr, row, P, prefix, above, target, shift, P_BLOCK: tl.constexpr):
+    # one radix digit: the largest d whose tokens at or above it weigh >= target
+    c = tl.arange(0, P_BLOCK)
     digits = tl.arange(0, 16)
-    prefix = tl.zeros([], dtype=tl.int64)
-    above = tl.zeros([], dtype=tl.float32)      # weight of tokens above the prefix's range
-    for level in tl.static_range(8):
-        shift = 28 - 4 * level
-        hist = tl.zeros([16], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
+    h = tl.load(hist_ptr + (row * P + c[:, None]) * 16 + digits[None, :], mask=c[:, None] < P, other=0.0)
+    hist = tl.sum(h, axis=0)
+    at_or_above = above + tl.cumsum(hist, axis=0, reverse=True)
+    # float sums may leave the whole range a hair short of target: then keep all of it
+    reach = tl.minimum(target, tl.max(at_or_above, axis=0))
+    chosen = tl.max(tl.where(at_or_above >= reach, digits, 0), axis=0)
+    above += tl.sum(tl.where(digits > chosen, hist, 0.0), axis=0)
+    return prefix | (chosen.to(prefix.dtype) << shift), above
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P"])
+def _stats_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, V, CH, P, BLOCK: tl.constexpr):
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(floats_ptr + row * 4)
+    if t > 0:
+        logits_ptr += row.to(tl.int64) * stride_row
+        m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
+        z_lane = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = _scaled(logits_ptr, offs, V, inv_t)
-            key = _sortable(x)
+            x = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * (1.0 / t)
+            m_new = tl.maximum(m_lane, x)
+            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            z_lane = z_lane * tl.exp(m_lane - safe) + tl.exp(x - safe)
+            m_lane = m_new
+        m = tl.max(m_lane, axis=0)
+        z = tl.sum(tl.where(m_lane == float("-inf"), 0.0, z_lane * tl.exp(m_lane - m)), axis=0)
+        tl.store(stats_ptr + (row * P + c) * 2, m)
+        tl.store(stats_ptr + (row * P + c) * 2 + 1, z)
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P", "S", "level"])
+def _level_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, hist_prev_ptr, hist_ptr,
+                  state_prefix_ptr, state_above_ptr, floor_ptr, zk_ptr, V, CH, P, S, level,
+                  USE_MASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                  P_BLOCK: tl.constexpr):
+    """One radix pass of top-k (USE_MASS False) or top-p (True) for chunk c of a row."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(floats_ptr + row * 4)
+    top_p = tl.load(floats_ptr + row * 4 + 1)
+    top_k = tl.load(floats_ptr + row * 4 + 3)
+    if USE_MASS:
+        active = (t > 0) & (top_p < 1)
+    else:
+        active = (t > 0) & (top_k > 0) & (top_k < V)
+    if active:
+        m, z = _row_stats(stats_ptr, row, P, P_BLOCK)
+        floor_key = _as_key(tl.zeros([], dtype=tl.int64), KEY_BITS)
+        if USE_MASS:
+            floor_key = _as_key(tl.load(floor_ptr + row), KEY_BITS)
+            if (top_k > 0) & (top_k < V):   # top-p renormalizes over the top-k set
+                cs = tl.arange(0, P_BLOCK)
+                z = tl.sum(tl.load(zk_ptr + row * P + cs, mask=cs < P, other=0.0), axis=0)
+            target = top_p * z
+        else:
+            target = top_k
+        prefix = _as_key(tl.zeros([], dtype=tl.int64), KEY_BITS)
+        above = tl.zeros([], dtype=tl.float32)
+        if level > 0:
+            prefix = _as_key(tl.load(state_prefix_ptr + (level - 1) * S + row), KEY_BITS)
+            above = tl.load(state_above_ptr + (level - 1) * S + row)
+            prefix, above = _decide(hist_prev_ptr, row, P, prefix, above, target,
+                                    KEY_BITS - 4 * level, P_BLOCK)
+        if c == 0:
+            tl.store(state_prefix_ptr + level * S + row, prefix.to(tl.int64))
+            tl.store(state_above_ptr + level * S + row, above)
+        shift = KEY_BITS - 4 * (level + 1)
+        digits = tl.arange(0, 16)
+        lanes = tl.zeros([BLOCK, 16], dtype=tl.float32)
+        logits_ptr += row.to(tl.int64) * stride_row
+        for start in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            raw = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
+            key = _key(raw, KEY_BITS)
             live = (offs < V) & (key >= floor_key) & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
             if USE_MASS:
-                weight = tl.where(live, tl.exp(x - m), 0.0)
+                weight = tl.where(live, tl.exp(raw.to(tl.float32) * (1.0 / t) - m), 0.0)
             else:
                 weight = tl.where(live, 1.0, 0.0)
             digit = (key >> shift) & 15
-            hist += tl.sum(tl.where(digit[:, None] == digits[None, :], weight[:, None], 0.0), axis=0)
-        at_or_above = above + tl.cumsum(hist, axis=0, reverse=True)   # weight of digits >= d
-        # float sums may leave the whole range a hair short of target: then keep all of it
-        reach = tl.minimum(target, tl.max(at_or_above, axis=0))
-        chosen = tl.max(tl.where(at_or_above >= reach, digits, 0), axis=0)
-        above += tl.sum(tl.where(digits > chosen, hist, 0.0), axis=0)
-        prefix = prefix | (chosen.to(tl.int64) << shift)
-    return prefix
+            lanes += tl.where(digit[:, None] == digits[None, :], weight[:, None], 0.0)
+        tl.store(hist_ptr + (row * P + c) * 16 + digits, tl.sum(lanes, axis=0))
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                   seeds_ptr, positions_ptr, out_ptr, V, GUMBEL_SPAN: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    logits_ptr += row.to(tl.int64) * stride_row
-    t = tl.load(temperature_ptr + row)
+def _cut_key(hist_ptr, state_prefix_ptr, state_above_ptr, row, P, S, target,
+             KEY_BITS: tl.constexpr, P_BLOCK: tl.constexpr):
+    # the last radix digit: the key of the cut itself
+    last = KEY_BITS // 4 - 1
+    prefix = _as_key(tl.load(state_prefix_ptr + last * S + row), KEY_BITS)
+    above = tl.load(state_above_ptr + last * S + row)
+    key, _ = _decide(hist_ptr, row, P, prefix, above, target, 0, P_BLOCK)
+    return key
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P", "S"])
+def _top_k_mass_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, hist_ptr, state_prefix_ptr,
+                       state_above_ptr, floor_ptr, zk_ptr, V, CH, P, S, KEY_BITS: tl.constexpr,
+                       BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
+    """After the top-k passes: the top-k cut (kept in floor_ptr) and each chunk's share of
+    the top-k set's probability mass (top-p renormalizes over it)."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(floats_ptr + row * 4)
+    top_k = tl.load(floats_ptr + row * 4 + 3)
+    if (t > 0) & (top_k > 0) & (top_k < V):
+        m, z = _row_stats(stats_ptr, row, P, P_BLOCK)
+        floor_key = _cut_key(hist_ptr, state_prefix_ptr, state_above_ptr, row, P, S, top_k,
+                             KEY_BITS, P_BLOCK)
+        if c == 0:
+            tl.store(floor_ptr + row, floor_key.to(tl.int64))
+        logits_ptr += row.to(tl.int64) * stride_row
+        z_lane = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            raw = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
+            keep = (offs < V) & (_key(raw, KEY_BITS) >= floor_key)
+            z_lane += tl.where(keep, tl.exp(raw.to(tl.float32) * (1.0 / t) - m), 0.0)
+        tl.store(zk_ptr + row * P + c, tl.sum(z_lane, axis=0))
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P", "S"])
+def _race_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, hist_ptr,
+                 state_prefix_ptr, state_above_ptr, floor_ptr, zk_ptr, best_ptr, token_ptr,
+                 V, CH, P, S, GUMBEL_SPAN: tl.constexpr, KEY_BITS: tl.constexpr,
+                 BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
+    """The Gumbel-max race over the kept tokens of chunk c; noise keyed on (seed, position, token)."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(floats_ptr + row * 4)
     if t > 0:
-        inv_t = 1.0 / t
-        # pass 1: the row's maximum and softmax normalizer (online, as in flash attention)
-        m = tl.full([], float("-inf"), tl.float32)
-        z = tl.zeros([], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            x = _scaled(logits_ptr, start + tl.arange(0, BLOCK), V, inv_t)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            z = z * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-        min_p = tl.load(min_p_ptr + row)
-        cut = tl.maximum(m - GUMBEL_SPAN, m + tl.log(min_p))   # log(0) = -inf: no min-p
-        cut_key = _sortable(cut)
-        top_k = tl.load(top_k_ptr + row)
-        floor_key = tl.zeros([], dtype=tl.int64)
-        if (top_k > 0) & (top_k < V):
-            floor_key = _radix_select(logits_ptr, V, inv_t, m, floor_key, top_k.to(tl.float32),
-                                      False, BLOCK)
-            z = tl.zeros([], dtype=tl.float32)   # the top-k set's own normalizer
-            for start in range(0, V, BLOCK):
-                x = _scaled(logits_ptr, start + tl.arange(0, BLOCK), V, inv_t)
-                z += tl.sum(tl.where(_sortable(x) >= floor_key, tl.exp(x - m), 0.0), axis=0)
-        top_p = tl.load(top_p_ptr + row)
+        top_p = tl.load(floats_ptr + row * 4 + 1)
+        min_p = tl.load(floats_ptr + row * 4 + 2)
+        top_k = tl.load(floats_ptr + row * 4 + 3)
+        m, z = _row_stats(stats_ptr, row, P, P_BLOCK)
+        floor_key = _as_key(tl.load(floor_ptr + row), KEY_BITS)
         if top_p < 1:
-            floor_key = _radix_select(logits_ptr, V, inv_t, m, floor_key, top_p * z, True, BLOCK)
-        cut_key = tl.maximum(cut_key, floor_key)
-        # last pass: Gumbel-max over the kept tokens, noise keyed on (seed, position, token)
-        seed = tl.load(seeds_ptr + row)
-        position = tl.load(positions_ptr + row)
+            if (top_k > 0) & (top_k < V):
+                cs = tl.arange(0, P_BLOCK)
+                z = tl.sum(tl.load(zk_ptr + row * P + cs, mask=cs < P, other=0.0), axis=0)
+            floor_key = _cut_key(hist_ptr, state_prefix_ptr, state_above_ptr, row, P, S, top_p * z,
+                                 KEY_BITS, P_BLOCK)
+        cut = tl.maximum(m - GUMBEL_SPAN, m + tl.log(min_p))   # log(0) = -inf: no min-p
+        seed = tl.load(ints_ptr + row)
+        position = tl.load(ints_ptr + S + row)
         lo = (seed & 0xFFFFFFFF).to(tl.uint32)
         hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         key = _mix32(lo ^ _mix32(hi ^ 0x632BE5AB))
         key = _mix32(key ^ _mix32((position & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B))
-        best = tl.full([], float("-inf"), tl.float32)
-        best_token = tl.zeros([], dtype=tl.int64)
-        for start in range(0, V, BLOCK):
+        logits_ptr += row.to(tl.int64) * stride_row
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_token = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = _scaled(logits_ptr, offs, V, inv_t)
+            raw = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
+            x = raw.to(tl.float32) * (1.0 / t)
             h = _mix32(key + offs.to(tl.uint32) * 0x9E3779B1)
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2**-23
-            score = tl.where((offs < V) & (_sortable(x) >= cut_key), x - tl.log(-tl.log(u)), float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_token = (start + tl.argmax(score, axis=0)).to(tl.int64)
-            better = block_best > best
-            best_token = tl.where(better, block_token, best_token)
-            best = tl.where(better, block_best, best)
-        tl.store(out_ptr + row, best_token)
+            kept = (offs < V) & (_key(raw, KEY_BITS) >= floor_key) & (x >= cut)
+            score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
+            better = score > best       # per lane, so the earlier token wins a tie
+            best_token = tl.where(better, offs, best_token)
+            best = tl.where(better, score, best)
+        top = tl.max(best, axis=0)
+        tl.store(best_ptr + row * P + c, top)
+        tl.store(token_ptr + row * P + c, tl.min(tl.where(best == top, best_token, V), axis=0))
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
-    """Same contract as reference.sample."""
+    """Same contract as reference.sample. The parameter tensors may be on the host (the
+    Sampler builds them there): then passes no row needs are not launched at all."""
     S, V = logits.shape
-    assert logits.stride(-1) == 1, "logits rows must be contiguous"
+    device = logits.device
     tokens = logits.argmax(dim=-1)
-    sampled = torch.empty(S, dtype=torch.int64, device=logits.device)
-    if S:
-        _sample_kernel[(S,)](
-            logits, logits.stride(0),        # [S, V]
-            temperature.float().contiguous(),   # [S]
-            top_k.to(torch.int32).contiguous(),  # [S]
-            top_p.float().contiguous(),      # [S]
-            min_p.float().contiguous(),      # [S]
-            seeds.to(torch.int64).contiguous(),  # [S]
-            positions.to(torch.int64).contiguous(),  # [S]
-            sampled, V, GUMBEL_SPAN=GUMBEL_SPAN, BLOCK=BLOCK, num_warps=8)
-    return torch.where(temperature > 0, sampled, tokens)
+    if S == 0:
+        return tokens
+    if logits.stride(-1) != 1 or logits.stride(0) % 8 or logits.storage_offset():
+        logits = logits.contiguous().clone()   # own aligned storage: no new kernel variant
+    k = top_k.float()
+    needs_top_k = bool(((k > 0) & (k < V) & (temperature > 0)).any()) if not top_k.is_cuda else True
+    needs_top_p = bool(((top_p < 1) & (temperature > 0)).any()) if not top_p.is_cuda else True
+    # two small host->device copies: [S, 4] floats (temperature, top_p, min_p, top_k), [2, S] ints
+    floats = torch.stack([temperature.float(), top_p.float(), min_p.float(), k.to(temperature.device)], dim=1)
+    ints = torch.stack([seeds.long(), positions.long().to(seeds.device)])
+    if floats.device != device:
+        floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
+    key_bits = 32 if logits.dtype == torch.float32 else 16
+    levels = key_bits // 4
+    P = max(1, min(triton.cdiv(V, BLOCK), TARGET_PROGRAMS // S, MAX_CHUNKS))
+    CH = triton.cdiv(triton.cdiv(V, P), BLOCK) * BLOCK       # chunk length, a multiple of BLOCK
+    P = triton.cdiv(V, CH)
+    # sizes vary with the batch, so none of them is a compile-time constant (no recompiles mid-run)
+    P_BLOCK = MAX_CHUNKS
+    f32, i64 = torch.float32, torch.int64
+    stats, hist, state_prefix, state_above, floor, zk, best, best_token = _scratch(device, [
+        ((S, P, 2), f32), ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32),
+        ((S,), i64), ((S, P), f32), ((S, P), f32), ((S, P), torch.int32)])
+    floor.zero_()
+    grid = (S, P)
+    meta = dict(BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _stats_kernel[grid](logits, logits.stride(0), floats, stats, V, CH, P, **meta)
+    for use_mass, needed in ((False, needs_top_k), (True, needs_top_p)):
+        if not needed:
+            continue
+        for level in range(levels):
+            _level_kernel[grid](logits, logits.stride(0), floats, stats, hist[max(level - 1, 0)], hist[level],
+                                state_prefix, state_above, floor, zk, V, CH, P, S, level,
+                                USE_MASS=use_mass, KEY_BITS=key_bits, P_BLOCK=P_BLOCK, **meta)
+        if not use_mass:
+            _top_k_mass_kernel[grid](logits, logits.stride(0), floats, stats, hist[levels - 1], state_prefix,
+                                     state_above, floor, zk, V, CH, P, S, KEY_BITS=key_bits, P_BLOCK=P_BLOCK,
+                                     **meta)
+    _race_kernel[grid](logits, logits.stride(0), floats, ints, stats, hist[levels - 1], state_prefix,
+                       state_above, floor, zk, best, best_token, V, CH, P, S, GUMBEL_SPAN=GUMBEL_SPAN,
+                       KEY_BITS=key_bits, P_BLOCK=P_BLOCK, **meta)
+    winner = best.argmax(dim=1, keepdim=True)                 # the first chunk on a tie
+    sampled = best_token.gather(1, winner)[:, 0].long()
+    return torch.where(floats[:, 0] > 0, sampled, tokens)

@@ -61,7 +61,7 @@ def test_end_to_end(ex, llm):
 
     def sample_with_your_filter(logits, temperature, top_k, top_p, min_p, seeds, positions):
         assert (top_k == -1).all() and (min_p == 0).all()
-        x = ex.top_p_filter(logits.float() / temperature[:, None], top_p)
+        x = ex.top_p_filter(logits.float() * (1.0 / temperature)[:, None], top_p)
         token_ids = torch.arange(x.shape[-1])
         noise = reference.gumbel_noise(reference.row_keys(seeds, positions)[:, None], token_ids[None, :])
         return (x + noise).argmax(dim=-1)

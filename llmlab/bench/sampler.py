@@ -1,0 +1,84 @@
+"""sampler: the time of one batched sampling call (`llmlab.sampling.Sampler`) on a
+[batch, vocab] block of logits, for the usual settings, next to greedy (the argmax) and to
+the sort that a sort-based top-p would need."""
+from __future__ import annotations
+
+import json
+import time
+
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature 0.7": dict(temperature=0.7),
+    "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
+    "temperature 0.7, top_p 0.9, seed 1": dict(temperature=0.7, top_p=0.9, seed=1),
+    "temperature 0.7, top_k 50": dict(temperature=0.7, top_k=50),
+    "temperature 1.0, top_k 50, top_p 0.95": dict(temperature=1.0, top_k=50, top_p=0.95),
+    "temperature 0.7, min_p 0.05": dict(temperature=0.7, min_p=0.05),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch-sizes", default="1,64,128,256")
+    parser.add_argument("--vocab", type=int, default=128256, help="default: Llama-3's vocabulary")
+    parser.add_argument("--logit-std", type=float, default=1.3,
+                        help="spread of the random logits (random Llama-3-8B weights give about 1.3)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--backend", default=None, help="kernel backend (default: the device's)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None)
+
+
+def _time(fn, device, repeats) -> float:
+    """Median microseconds of fn()."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1000)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def main(args) -> list[dict]:
+    import torch
+
+    from llmlab import SamplingParams
+    from llmlab.bench.offline import machine_name
+    from llmlab.sampling import Sampler
+
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sampler = Sampler(backend=args.backend)
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        gen = torch.Generator(device=device).manual_seed(batch)
+        logits = (torch.randn(batch, args.vocab, generator=gen, device=device) * args.logit_std).to(dtype)
+        seeds, positions = list(range(batch)), [100] * batch
+        row = {"batch": batch}
+        for name, setting in SETTINGS.items():
+            params = [SamplingParams(**setting)] * batch
+            row[name] = _time(lambda: sampler(logits, params, seeds, positions).tolist(), device, args.repeats)
+        row["torch.sort (for reference)"] = _time(lambda: logits.float().sort(dim=-1, descending=True),
+                                                  device, args.repeats)
+        rows.append(row)
+    names = list(rows[0])[1:]
+    print(f"\nSampler, vocab {args.vocab}, {dtype} logits, on {machine_name(device.type)} "
+          f"(microseconds per call, median of {args.repeats}; includes the token ids' copy to the host)")
+    print("| setting | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{r[name]:.0f}" for r in rows) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
