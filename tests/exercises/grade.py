@@ -57,7 +57,7 @@ def grade_one(test_file: Path, impl: str, timeout: float, extra: list[str]) -> d
     exercise = test_file.stem.removeprefix("test_")
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as events:
         env = dict(os.environ, LLMLAB_GRADE_EVENTS=events.name)
-        command = [sys.executable, "-m", "pytest", str(test_file.relative_to(REPO)), f"--impl={impl}",
+        command = [sys.executable, "-m", "pytest", str(test_file), f"--impl={impl}",
                    "-q", "-p", "no:cacheprovider", *extra]
         # its own process group: a timeout kills its children (e.g. compile workers) too
         child = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
