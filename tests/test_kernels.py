@@ -589,6 +589,9 @@ def test_gpu_quantized_store_kv(cache_dtype):
         # that sits on a rounding boundary one step off (int8: 1; e4m3: 2^-3 relative)
         torch.testing.assert_close(scales, scales_ref, atol=0, rtol=1e-6, equal_nan=True)
         step = 1.0 if cache_dtype == torch.int8 else codes_ref.float().abs() * 2**-3 + 2**-9
+        if torch.is_tensor(step):   # unwritten fp8 slots hold the NaN sentinel: any step there
+            assert torch.equal(codes.float().isnan(), codes_ref.float().isnan())
+            step = step.nan_to_num(float("inf"))
         assert ((codes.float() - codes_ref.float()).nan_to_num(0.0).abs() <= step).all()
 
 
