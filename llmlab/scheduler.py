@@ -13,6 +13,13 @@ The policy, in order of priority, under a budget of `max_num_batched_tokens` tok
      at most the remaining budget (SARATHI §4: chunk = token budget - decodes).
 Steps 3-4 are skipped in a step that had to preempt, so a victim is not immediately
 replaced by a newcomer: preempted requests are older and get back in first (no starvation).
+Each step is one method below (`_schedule_decodes` ... `_schedule_waiting`).
+
+After the step's forward and sampling, `Scheduler.update(plan, sampled)` does the
+bookkeeping: every scheduled request's computed tokens advance and its newly full blocks
+are hashed for the prefix cache; each request that sampled gets its token, and those done
+(EOS, a stop token, max_tokens, the context length) are finished and their blocks freed.
+Stop *strings* need text, so the engine checks them after detokenizing (as vLLM does).
 
 `policy` orders requests by priority; FCFS (arrival order) by default. Pass another key
 function (e.g. shortest prompt first) to change who is admitted and who is preempted.
@@ -41,11 +48,13 @@ class ScheduledItem:
     kind: str             # "prefill" | "decode"
     num_tokens: int       # new tokens computed this step
     start_position: int   # position of the first of them
+    # whether this step computes the request's last uncomputed token, so that it samples
+    # (a prefill chunk short of the prompt's end does not). Decided once, when the item is
+    # made: the runner's logits rows, the sampler and update() all read this one answer.
+    completes_prompt: bool = field(init=False)
 
-    @property
-    def completes_prompt(self) -> bool:
-        """Whether this step computes the request's last uncomputed token (so it samples)."""
-        return self.start_position + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        self.completes_prompt = self.start_position + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -66,6 +75,11 @@ class Plan:
         return self.prefills + self.decodes
 
     @property
+    def sampling_items(self) -> list[ScheduledItem]:
+        """The items that sample a token this step, in batch order: one logits row each."""
+        return [item for item in self.items if item.completes_prompt]
+
+    @property
     def num_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items)
 
@@ -74,12 +88,22 @@ class Plan:
         return not self.items
 
 
+@dataclass
+class StepOutcome:
+    """What `Scheduler.update` did with one step's sampled tokens."""
+    advanced: list[Request] = field(default_factory=list)   # got a token, in plan.sampling_items order
+    finished: list[Request] = field(default_factory=list)   # of those, the ones done (blocks freed)
+    freed_blocks: list[int] = field(default_factory=list)   # device blocks the finished gave back
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 policy=fcfs):
+                 policy=fcfs, eos_token_ids=()):
         self.config = config
         self.blocks = block_manager
         self.policy = policy
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)   # a request stops on these unless it ignores EOS
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -104,13 +128,64 @@ class Scheduler:
             self.blocks.free_host(request)
         return self.blocks.free(request)
 
+    def finish(self, request: Request, reason: str) -> list[int]:
+        """Mark `request` finished ("stop" | "length" | "abort") and release its blocks;
+        returns the device blocks that became free."""
+        freed = self.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return freed
+
+    # ---- after the step --------------------------------------------------------------
+    def update(self, plan: Plan, sampled) -> StepOutcome:
+        """The bookkeeping after the step ran `plan`: computed tokens advance and full blocks
+        are hashed for every item (this needs no sampled value, so it may run before the
+        tokens reach the host); then each of plan.sampling_items gets its token from
+        `sampled` (token ids in that order: a list, or a tensor, read here) and is finished
+        if it is done."""
+        tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
+        requests = [item.request for item in plan.sampling_items]
+        if len(tokens) != len(requests):
+            raise ValueError(f"{len(tokens)} sampled tokens for the plan's {len(requests)} sampling items")
+        for item in plan.items:
+            item.request.num_computed_tokens += item.num_tokens
+            self.blocks.cache_full_blocks(item.request)
+        outcome = StepOutcome(advanced=requests)
+        for request, token in zip(requests, tokens):
+            request.output_token_ids.append(token)
+            reason = self.stop_reason(request, token)
+            if reason is not None:
+                outcome.freed_blocks += self.finish(request, reason)
+                outcome.finished.append(request)
+        return outcome
+
+    def stop_reason(self, request: Request, token: int) -> str | None:
+        """Why `request` is done after its newest `token`, if it is: "stop" (EOS unless
+        ignored, or one of its stop token ids) or "length" (max_tokens, or the context)."""
+        params = request.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
     # ---- the policy ------------------------------------------------------------------
     def schedule(self) -> Plan:
+        """This step's Plan: the four phases of the module docstring, in order, under one
+        token budget (each phase returns what is left of it)."""
         plan = Plan()
-        budget = self.token_budget
         self.running.sort(key=self.policy)
+        budget = self._schedule_decodes(plan, self.token_budget)
+        budget = self._schedule_running_prefills(plan, budget)
+        if plan.preempted or plan.swapped_out:
+            return plan
+        budget = self._schedule_swapped(plan, budget)
+        self._schedule_waiting(plan, budget)
+        return plan
 
-        # 1. decodes: one token each, preempting the lowest-priority request when out of blocks
+    def _schedule_decodes(self, plan: Plan, budget: int) -> int:
+        """1. One token for every decoding request, preempting the lowest-priority running
+        request when out of blocks."""
         for request in list(self.running):
             if request not in self.running or request.is_prefilling:
                 continue
@@ -121,16 +196,18 @@ class Scheduler:
             self._allocate(request, request.num_tokens, plan)
             plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
             budget -= 1
+        return budget
 
-        # 2. running prefills continue with their next chunk
+    def _schedule_running_prefills(self, plan: Plan, budget: int) -> int:
+        """2. Running requests still prefilling continue with their next chunk."""
         for request in self.running:
             if request.is_prefilling and budget > 0:
                 budget -= self._schedule_prefill(request, budget, plan)
+        return budget
 
-        if plan.preempted or plan.swapped_out:
-            return plan
-
-        # 3. swapped requests come back (they were running: decode or prefill right away)
+    def _schedule_swapped(self, plan: Plan, budget: int) -> int:
+        """3. Swapped-out requests come back when their blocks fit (they were running:
+        they decode or prefill right away)."""
         self.swapped.sort(key=self.policy)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
@@ -147,8 +224,11 @@ class Scheduler:
                 self._allocate(request, request.num_tokens, plan)
                 plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
                 budget -= 1
+        return budget
 
-        # 4. admit waiting requests
+    def _schedule_waiting(self, plan: Plan, budget: int) -> int:
+        """4. Waiting requests are admitted, highest priority first, each with a prompt chunk
+        of at most the budget left (after a prefix-cache lookup)."""
         self.waiting.sort(key=self.policy)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -168,7 +248,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= used
-        return plan
+        return budget
 
     def _schedule_prefill(self, request: Request, budget: int, plan: Plan) -> int:
         """Schedule the next prompt chunk of `request`; returns the tokens used (0 = none fit)."""

@@ -62,8 +62,9 @@ def run_engine(engine, prompts, max_tokens=MAX_TOKENS):
     assert len(forwards) == len(taps["logits"]), "one logits capture per forward"
     rows = {rid: {} for rid in ids}        # request id -> {position: logits row}
     for step, logits in zip(forwards, taps["logits"]):
-        assert logits.shape == (len(step.scheduled), VOCAB_SIZE)
-        for item, row in zip(step.scheduled, logits):
+        sampling = [item for item in step.scheduled if item.request_id in step.sampled]   # a row each
+        assert logits.shape == (len(sampling), VOCAB_SIZE)
+        for item, row in zip(sampling, logits):
             rows[item.request_id][item.start_position + item.num_tokens - 1] = row
     results = []
     for rid, prompt in zip(ids, prompts):

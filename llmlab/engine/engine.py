@@ -1,7 +1,13 @@
 """LLMEngine: add requests, call `step()`, read outputs.
 
-One step = schedule -> swap copies -> prepare + forward -> sample -> update requests
-(detokenize, stop checks, free finished blocks) -> emit hook events.
+The engine is the loop; each room does its own work:
+  Scheduler.schedule()   -> the Plan of this step (scheduler.py)
+  ModelRunner.swap       -> the plan's KV block copies (model_runner.py)
+  ModelRunner.prepare / forward -> logits of the rows that sample
+  Sampler                -> one token per such row, on the device (sampling.py)
+  Scheduler.update       -> computed tokens, full-block hashes, tokens appended, token-level
+                            stops (EOS, stop ids, max_tokens, context), finished blocks freed
+  the engine             -> detokenization and stop strings, RequestOutputs, hook events
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from llmlab.request import ContextLengthError, Request, RequestOutput, RequestStatus
+from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.scheduler import Plan, Scheduler, fcfs
 
@@ -38,7 +44,11 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
         self.sampler = Sampler(config.seed, self.backend)
         if self.device.type == "cuda" and self.backend == "triton":
             self.sampler.warm_up(self.model_config.vocab_size, self.device, self.dtype)
@@ -48,10 +58,6 @@ class LLMEngine:
         self.step_index = 0
         self._freed_blocks: list[int] = []     # since the last StepRecord
         self._ids = itertools.count()
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -112,14 +118,15 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of requests that produced a token or finished."""
+        """Run one iteration; returns the outputs of requests that produced a token or finished.
+        schedule -> swap -> runner (prepare, forward) -> sample -> scheduler.update -> outputs."""
         timings = {}
         clock = time.perf_counter()
         plan = self.scheduler.schedule()
         timings["schedule"], clock = time.perf_counter() - clock, time.perf_counter()
         self.runner.swap(plan.swap_out_copies, plan.swap_in_copies)
         timings["swap"], clock = time.perf_counter() - clock, time.perf_counter()
-        sampled, advanced, kernel_timings = {}, [], {}
+        tokens, kernel_timings = [], {}
         if not plan.is_empty:
             input_ids, positions, batch = self.runner.prepare(plan)
             timings["prepare"], clock = self._lap(clock)
@@ -129,27 +136,28 @@ class LLMEngine:
             else:
                 logits = self.runner.forward(input_ids, positions, batch)
             timings["forward"], clock = self._lap(clock)
-            rows = [i for i, item in enumerate(plan.items) if item.completes_prompt]
-            requests = [plan.items[i].request for i in rows]
-            if len(rows) < len(plan.items):   # mid-prompt chunks sample nothing
-                logits = logits[rows]
-            tokens = self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
-                                  [len(r.output_token_ids) for r in requests]).tolist() if rows else []
+            tokens = self._sample(plan, logits).tolist()
             timings["sample"], clock = self._lap(clock)
-            for item in plan.items:
-                item.request.num_computed_tokens += item.num_tokens
-                self.block_manager.cache_full_blocks(item.request)
-            for request, token in zip(requests, tokens):
-                sampled[request.request_id] = token
-                self._append_token(request, token)
-                advanced.append(request)
-        finished = {r.request_id: r.finish_reason for r in advanced if r.finished}
+        outcome = self.scheduler.update(plan, tokens)
+        self._freed_blocks += outcome.freed_blocks
+        for request in outcome.advanced:
+            self._new_token(request)
         if self.hooks.active:
+            sampled = {r.request_id: token for r, token in zip(outcome.advanced, tokens)}
+            finished = {r.request_id: r.finish_reason for r in outcome.advanced if r.finished}
             self.hooks.emit(self._record(plan, sampled, finished, timings, kernel_timings))
         else:
             self._freed_blocks.clear()
         self.step_index += 1
-        return [RequestOutput.of(r) for r in advanced]
+        return [RequestOutput.of(r) for r in outcome.advanced]
+
+    def _sample(self, plan: Plan, logits: torch.Tensor) -> torch.Tensor:
+        """One token per plan.sampling_items entry (logits has their rows), on the device."""
+        requests = [item.request for item in plan.sampling_items]
+        if not requests:   # a step of mid-prompt chunks only samples nothing
+            return torch.empty(0, dtype=torch.int64)
+        return self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
+                            [len(r.output_token_ids) for r in requests])
 
     def _lap(self, clock):
         if self.device.type == "cuda" and self.hooks.active:
@@ -157,31 +165,33 @@ class LLMEngine:
         now = time.perf_counter()
         return now - clock, now
 
-    def _append_token(self, request: Request, token: int) -> None:
-        request.output_token_ids.append(token)
+    def _new_token(self, request: Request) -> None:
+        """The output side of the token scheduler.update appended: first-token time, text,
+        and stop strings, the one stop condition only the text shows."""
+        token = request.output_token_ids[-1]
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
-        params = request.params
-        is_eos = token in self.eos_token_ids
-        stop_string = False
-        if request.detokenizer is not None and not is_eos:
-            stop_string = request.detokenizer.add_token(token)
-        if stop_string or token in params.stop_token_ids or (is_eos and not params.ignore_eos):
-            self._finish(request, "stop")
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, "length")
+        if request.detokenizer is not None and token not in self.eos_token_ids:
+            if request.detokenizer.add_token(token):
+                # also when the same token reached max_tokens: a stop string wins over "length"
+                self._freed_blocks += self.scheduler.finish(request, "stop")
+        if request.finished:
+            self._finished(request)
 
     def _finish(self, request: Request, reason: str) -> None:
-        self._freed_blocks += self.scheduler.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+        self._freed_blocks += self.scheduler.finish(request, reason)
+        self._finished(request)
+
+    def _finished(self, request: Request) -> None:
+        """The engine's side of a request the scheduler has finished: its end time, the
+        held-back text released (unless a stop ended it), events."""
         request.finish_time = time.perf_counter()
-        if request.detokenizer is not None and reason != "stop":
+        if request.detokenizer is not None and request.finish_reason != "stop":
             request.detokenizer.finish()
         self.requests.pop(request.request_id, None)
         if self.hooks.active:
-            self.hooks.emit(RequestFinished(request.request_id, reason, len(request.output_token_ids),
-                                            request.finish_time))
+            self.hooks.emit(RequestFinished(request.request_id, request.finish_reason,
+                                            len(request.output_token_ids), request.finish_time))
 
     def _take_freed_blocks(self) -> list[int]:
         freed, self._freed_blocks = self._freed_blocks, []

@@ -155,7 +155,7 @@ class ModelRunner:
         return runner.prepare(plan, self.block_size, self.device, self.num_splits(len(plan.decodes), max_context))
 
     def forward(self, input_ids, positions, batch: ForwardBatch, eager: bool = False) -> torch.Tensor:
-        """Logits [num_seqs, vocab]: a CUDA graph replay for pure-decode batches when graphs
+        """Logits [sampling items, vocab]: a CUDA graph replay for pure-decode batches when graphs
         were captured (and neither hook points nor `eager` ask to see every kernel), the
         eager forward otherwise."""
         num_seqs = batch.logits_indices.shape[0]
@@ -165,5 +165,5 @@ class ModelRunner:
         return self.model.forward(input_ids, positions, batch, self.kv_cache.device, self.kv_cache.device_scales)
 
     def execute(self, plan: Plan) -> torch.Tensor:
-        """Run the plan's forward; logits [len(plan.items), vocab], rows in plan.items order."""
+        """Run the plan's forward; logits [len(plan.sampling_items), vocab], in that order."""
         return self.forward(*self.prepare(plan))

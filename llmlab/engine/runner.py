@@ -25,8 +25,8 @@ WARM_UP_SHAPES = ([([7], []), ([5, 12], [2, 40, 2]), ([16], [2] * 16), ([29], [3
 
 
 def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int = 1):
-    """Returns input_ids [T], positions [T] and the ForwardBatch for the plan (logits for
-    the last token of every item, in plan.items order)."""
+    """Returns input_ids [T], positions [T] and the ForwardBatch for the plan. Logits are
+    asked for the last token of each item that samples (plan.sampling_items), in order."""
     bs = block_size
     input_ids, positions, slots = [], [], []
     cu_seqlens_q, prefill_lens, prefill_tables = [0], [], []
@@ -48,7 +48,8 @@ def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int =
         decode_lens.append(p + 1)
         decode_tables.append(request.block_table)
     num_prefill_tokens = cu_seqlens_q[-1]
-    logits_indices = [end - 1 for end in cu_seqlens_q[1:]] + list(range(num_prefill_tokens, len(input_ids)))
+    last_rows = [end - 1 for end in cu_seqlens_q[1:]] + list(range(num_prefill_tokens, len(input_ids)))
+    logits_indices = [row for row, item in zip(last_rows, plan.items) if item.completes_prompt]
 
     def ints(values, dtype=torch.int32):
         return torch.tensor(values, dtype=dtype, device=device)

@@ -22,9 +22,9 @@ from llmlab.experiments.policies import resolve_policy
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import ScheduledRecord, StepRecord, Trace
-from llmlab.request import Request, RequestStatus
+from llmlab.request import Request
 from llmlab.sampling import SamplingParams
-from llmlab.scheduler import Plan, Scheduler
+from llmlab.scheduler import Scheduler
 
 PLACEHOLDER_TOKEN = 0
 
@@ -90,7 +90,9 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
         for request_id in plan.preempted + plan.swapped_out:
             metrics[request_id].num_preemptions += 1
         items = plan.items
-        sampled, finished = update_requests(scheduler, plan, max_model_len)
+        # the engine's own post-step bookkeeping, with a placeholder for every sampled token
+        outcome = scheduler.update(plan, [PLACEHOLDER_TOKEN] * len(plan.sampling_items))
+        sampled, finished = outcome.advanced, outcome.finished
         for request in sampled:
             m = metrics[request.request_id]
             m.token_times.append(clock)
@@ -115,24 +117,3 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
     result_meta = {"kind": "simulate", "policy": getattr(policy, "__name__", str(policy)), "engine": dict(meta),
                    "cost_model": cost_model.to_dict()}
     return Result(list(metrics.values()), steps, result_meta, trace)
-
-
-def update_requests(scheduler: Scheduler, plan: Plan, max_model_len: int) -> tuple[list[Request], list[Request]]:
-    """The post-step bookkeeping of LLMEngine.step, with a placeholder for each sampled token:
-    computed tokens advance, full blocks are hashed for the prefix cache, requests whose
-    prompt is complete get a token, and those done are removed (their blocks freed).
-    Returns (requests that got a token, requests that finished).
-    TODO(Scheduler.update): once the Scheduler owns this, call it here instead."""
-    sampled = [item.request for item in plan.items if item.completes_prompt]   # before computed tokens move
-    for item in plan.items:
-        item.request.num_computed_tokens += item.num_tokens
-        scheduler.blocks.cache_full_blocks(item.request)
-    finished = []
-    for request in sampled:
-        request.output_token_ids.append(PLACEHOLDER_TOKEN)
-        if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= max_model_len:
-            scheduler.remove(request)
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = "length"
-            finished.append(request)
-    return sampled, finished

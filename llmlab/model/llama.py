@@ -38,7 +38,7 @@ class ForwardBatch:
     prefill_block_tables: torch.Tensor   # [P, max_blocks]
     decode_seq_lens: torch.Tensor        # [S_decode]
     decode_block_tables: torch.Tensor    # [S_decode, max_blocks]
-    logits_indices: torch.Tensor         # [S] row of each sequence's last token
+    logits_indices: torch.Tensor         # [S] row of the last token of each sequence that samples
     num_splits: int = 1                  # flash-decoding splits (1 = PagedAttention v1)
 
 

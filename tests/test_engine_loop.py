@@ -1,0 +1,124 @@
+"""The engine loop's rooms: the ModelRunner runs plans (dummy ones too) and returns one
+logits row per sampling item; Scheduler.update does the post-step bookkeeping on its own
+(computed tokens, full-block hashes, tokens, token-level stops, freed blocks), with no model."""
+import pytest
+import torch
+
+from llmlab import EngineConfig, SamplingParams
+from llmlab.cache.block_manager import BlockManager
+from llmlab.config import ModelConfig
+from llmlab.engine import ModelRunner
+from llmlab.engine.runner import dummy_plan, num_blocks_of
+from llmlab.model.llama import LlamaModel
+from llmlab.request import Request, RequestStatus
+from llmlab.scheduler import Plan, ScheduledItem, Scheduler
+
+TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
+MODEL = LlamaModel.random(TINY, torch.float32, "cpu", seed=5)
+
+
+def cpu_config(**overrides) -> EngineConfig:
+    return EngineConfig(**{**dict(device="cpu", dtype="float32", backend="torch", block_size=4,
+                                  num_gpu_blocks=64, max_num_batched_tokens=32), **overrides})
+
+
+def prompt(length, seed):
+    return torch.randint(0, TINY.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- ModelRunner ---------------------------------------------------------------------------
+
+def test_dummy_plan_lays_out_blocks_one_after_another():
+    plan = dummy_plan(4, prefills=[(5, 5), (3, 9)], decodes=[2, 8])
+    assert [(i.kind, i.num_tokens, i.start_position) for i in plan.items] == \
+        [("prefill", 5, 0), ("prefill", 3, 6), ("decode", 1, 1), ("decode", 1, 7)]
+    tables = [i.request.block_table for i in plan.items]
+    assert tables == [[0, 1], [2, 3, 4], [5], [6, 7]]
+    assert num_blocks_of(plan, 4) == 8
+    assert plan.sampling_items == plan.items     # every dummy item samples
+
+
+def test_runner_returns_one_logits_row_per_sampling_item():
+    """A mid-prompt chunk samples nothing; the rows that do sample are the ones a request
+    run alone gets."""
+    runner = ModelRunner(cpu_config(), model=MODEL)
+    assert runner.num_device_blocks == 64 and runner.max_model_len == 256
+    long, short = prompt(10, 1), prompt(6, 2)
+    alone = {}
+    for name, ids in (("long", long), ("short", short)):
+        r = Request(name, None, ids, SamplingParams())
+        r.block_table = list(range(3))
+        alone[name] = runner.execute(Plan(prefills=[ScheduledItem(r, "prefill", len(ids), 0)]))[0]
+    # both again, in one batch: the long prompt's first 7 tokens (no sample), the short one whole
+    a, b = Request("long", None, long, SamplingParams()), Request("short", None, short, SamplingParams())
+    a.block_table, b.block_table = [10, 11, 12], [20, 21]
+    plan = Plan(prefills=[ScheduledItem(a, "prefill", 7, 0), ScheduledItem(b, "prefill", 6, 0)])
+    assert [i.request for i in plan.sampling_items] == [b]
+    logits = runner.execute(plan)
+    assert logits.shape == (1, TINY.vocab_size)
+    # another batch, another blocking of the matrix products: fp32 rounding only
+    torch.testing.assert_close(logits[0], alone["short"], atol=1e-4, rtol=1e-4)
+    # the rest of the long prompt beside a decode of the short one: two rows, in batch order
+    b.output_token_ids.append(int(logits[0].argmax()))
+    plan = Plan(prefills=[ScheduledItem(a, "prefill", 3, 7)], decodes=[ScheduledItem(b, "decode", 1, 6)])
+    logits = runner.execute(plan)
+    assert logits.shape == (2, TINY.vocab_size)
+    torch.testing.assert_close(logits[0], alone["long"], atol=1e-4, rtol=1e-4)
+
+
+# ---- Scheduler.update ------------------------------------------------------------------------
+
+def scheduler_with(num_blocks=32, eos=(), **overrides):
+    config = cpu_config(num_gpu_blocks=num_blocks, **overrides)
+    blocks = BlockManager(num_blocks, 0, config.block_size, config.enable_prefix_caching)
+    return Scheduler(config, blocks, max_model_len=num_blocks * config.block_size, eos_token_ids=eos)
+
+
+def add(scheduler, request_id, length, **params):
+    request = Request(request_id, None, prompt(length, len(request_id)), SamplingParams(**params))
+    scheduler.add(request)
+    return request
+
+
+def test_update_advances_computed_tokens_and_gives_tokens_only_to_completed_prompts():
+    scheduler = scheduler_with(max_num_batched_tokens=8)
+    long, short = add(scheduler, "long", 13, max_tokens=3), add(scheduler, "s", 3, max_tokens=3)
+    plan = scheduler.schedule()                                     # 8 tokens of the long prompt
+    assert [(i.request, i.num_tokens) for i in plan.items] == [(long, 8)] and not plan.sampling_items
+    outcome = scheduler.update(plan, [])
+    assert long.num_computed_tokens == 8 and not long.output_token_ids and outcome.advanced == []
+    plan = scheduler.schedule()                                     # the long prompt's last 5, the short's 3
+    assert [i.request for i in plan.sampling_items] == [long, short]
+    outcome = scheduler.update(plan, torch.tensor([7, 9]))          # a device tensor is read too
+    assert outcome.advanced == [long, short] and outcome.finished == []
+    assert (long.output_token_ids, short.output_token_ids) == ([7], [9])
+    assert (long.num_computed_tokens, short.num_computed_tokens) == (13, 3)
+    with pytest.raises(ValueError, match="1 sampled tokens for the plan's 2 sampling items"):
+        scheduler.update(scheduler.schedule(), [1])
+
+
+def test_update_finishes_requests_and_frees_their_blocks():
+    scheduler = scheduler_with(eos=[5])
+    eos, ignores_eos = add(scheduler, "eos", 6, max_tokens=9), add(scheduler, "ignore", 6, max_tokens=9, ignore_eos=True)
+    stop_id, length = add(scheduler, "stop-id", 6, max_tokens=9, stop_token_ids=[11]), add(scheduler, "len", 6, max_tokens=1)
+    plan = scheduler.schedule()
+    blocks = {i.request.request_id: list(i.request.block_table) for i in plan.items}
+    outcome = scheduler.update(plan, [5, 5, 11, 3])
+    assert [(r.request_id, r.finish_reason) for r in outcome.finished] == [("eos", "stop"), ("stop-id", "stop"),
+                                                                           ("len", "length")]
+    assert all(r.status == RequestStatus.FINISHED and not r.block_table for r in outcome.finished)
+    assert sorted(outcome.freed_blocks) == sorted(blocks["eos"] + blocks["stop-id"] + blocks["len"])
+    assert scheduler.running == [ignores_eos] and not ignores_eos.finished
+    assert scheduler.blocks.num_free_blocks == 32 - len(ignores_eos.block_table)
+
+
+def test_update_hashes_blocks_as_they_fill():
+    scheduler = scheduler_with(enable_prefix_caching=True, max_num_batched_tokens=6)
+    request = add(scheduler, "r", 11, max_tokens=4)
+    for full_blocks in (1, 2, 3, 3):          # computed tokens 6, 11, 12, 13; blocks of 4
+        plan = scheduler.schedule()
+        scheduler.update(plan, [1] * len(plan.sampling_items))
+        assert request.num_cached_blocks == full_blocks
+        assert sorted(scheduler.blocks.cached_blocks.values()) == request.block_table[:full_blocks]
