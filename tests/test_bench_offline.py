@@ -29,7 +29,7 @@ def test_settings_and_workload():
 def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
     args = parse("--num-requests", "3", "--input-len", "40", "--output-len", "4", "--prefix-len", "32",
                  "--compare", "temperature=0.7,top_p=0.9,seed=1", "--compare-prefix-caching",
-                 "--num-gpu-blocks", "64", "--max-num-seqs", "1", "--out", str(tmp_path / "r.json"))
+                 "--num-gpu-blocks", "64", "--max-num-seqs", "1", "--warmup", "light", "--out", str(tmp_path / "r.json"))
     results = offline.main(args)
     assert [(r["sampling"], r["prefix_caching"]) for r in results] == [
         ("greedy", False), ("temperature=0.7, top_p=0.9, seed=1", False),
