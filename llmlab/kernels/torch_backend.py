@@ -206,7 +206,8 @@ def _rank_cut(x, top_k, top_p):
     log_z = x.logsumexp(dim=-1)             # normalizer when top-k is off
     rows, K = torch.arange(S, device=x.device), min(_FIRST_CANDIDATES, V)
     while rows.numel():
-        xs, k, p = x[rows], top_k[rows], top_p[rows]
+        xs = x if rows.numel() == S else x[rows]
+        k, p = top_k[rows], top_p[rows]
         values = xs.topk(K, dim=-1).values if K < V else xs.sort(dim=-1, descending=True).values
         k_seen = k <= K
         kth = values.gather(1, (k.clamp(max=K) - 1)[:, None])
@@ -262,14 +263,17 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     rows = (temperature > 0).nonzero()[:, 0]
     if rows.numel() == 0:
         return tokens
-    x = logits[rows].float() * (1.0 / temperature[rows])[:, None]
+    every_row = rows.numel() == logits.shape[0]          # the usual case: no [S, V] gathers then
+    x = (logits if every_row else logits[rows]).float() * (1.0 / temperature[rows])[:, None]
     V = x.shape[-1]
     m = x.amax(dim=-1)
     cut = torch.maximum(m - reference.GUMBEL_SPAN, m + torch.log(min_p[rows]))
     k = torch.where((top_k[rows] <= 0) | (top_k[rows] > V), V, top_k[rows]).long()
     p = top_p[rows]
     ranked = ((k < V) | (p < 1)).nonzero()[:, 0]
-    if ranked.numel():
+    if ranked.numel() == x.shape[0]:
+        cut = torch.maximum(cut, _rank_cut(x, k, p))
+    elif ranked.numel():
         cut[ranked] = torch.maximum(cut[ranked], _rank_cut(x[ranked], k[ranked], p[ranked]))
     r, t = (x >= cut[:, None]).nonzero(as_tuple=True)      # the candidates, row-major
     keys = reference.row_keys(seeds[rows], positions[rows])
