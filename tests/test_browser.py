@@ -122,8 +122,9 @@ def open_and_run_all(browser, lab, notebook):
     until every code cell has run; checks that nothing failed. Returns the page."""
     url, token = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{url}/lab/tree/{notebook}?token={token}")
-    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+    # ?reset: a fresh workspace, not the tabs an earlier test left open
+    page.goto(f"{url}/lab/tree/{notebook}?reset&token={token}")
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", timeout=120_000)
     # the kernel starts, or JupyterLab asks which one to start: the default, as a student would
     select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
     idle = page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle$")).first
@@ -185,6 +186,16 @@ def click_and_wait(box, button, prefix, title=None, timeout=120_000):
     return titled(box, prefix)
 
 
+def close(page, lab):
+    """Close the tab and shut its kernel down (each holds a copy of the model)."""
+    url, token = lab
+    page.close()
+    sessions = json.load(urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=10))
+    for session in sessions:
+        urllib.request.urlopen(urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}",
+                                                      method="DELETE"), timeout=30)
+
+
 def screenshot(page, name):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.wait_for_timeout(300)    # let plotly finish drawing
@@ -216,18 +227,21 @@ def test_04_block_playground(browser, lab):
     lines = [line for line in log.inner_text().splitlines() if line.strip()]
     assert lines == ["ValueError: no request 'a' (there are: b)"], lines
     screenshot(page, "browser_playground.png")
-    page.close()
+    close(page, lab)
 
 
 @pytest.mark.slow
 def test_06_stepper(browser, lab):
+    from playwright.sync_api import expect
+
     page = open_and_run_all(browser, lab, "06_iteration_level_scheduling.ipynb")
     box = widget(page, "Step")
     status = box.locator(".widget-html").first
     box.scroll_into_view_if_needed()
     assert titled(box, "KV block table")["title"] == "KV block table after step 2"   # stepper.step(3)
     table = click_and_wait(box, "Step", "KV block table")
-    assert table["title"] == "KV block table after step 3" and "4 steps run" in status.inner_text()
+    assert table["title"] == "KV block table after step 3"
+    expect(status).to_contain_text("4 steps run")       # the status is redrawn right after the figures
     box.locator(".widget-text:has(label.widget-label:text-is('N')) input").fill("4")
     table = click_and_wait(box, "Run N", "KV block table", title="KV block table after step 7")
     page.wait_for_timeout(500)                           # the other figures follow in the same refresh
@@ -241,17 +255,18 @@ def test_06_stepper(browser, lab):
     page.keyboard.press("Enter")
     page.wait_for_function(f"(el) => ({READ_FIGURES})(el).some(f => f.title === 'KV block table after step 0')",
                            arg=box.element_handle(), timeout=60_000)
-    assert "showing step 0 of 0..7" in status.inner_text()
+    expect(status).to_contain_text("showing step 0 of 0..7")
     table = click_and_wait(box, "Reset", "KV block table")
-    assert table["title"] == "KV block table (no step yet)" and "0 steps run" in status.inner_text()
+    assert table["title"] == "KV block table (no step yet)"
+    expect(status).to_contain_text("0 steps run")
     table = click_and_wait(box, "Step", "KV block table")
     # the issue this guards: after Reset, "1 steps", slider 0 and "after step 11" disagreed
     assert table["title"] == "KV block table after step 0"
-    assert "1 step run" in status.inner_text() and "showing step 0 of 0..0" in status.inner_text()
+    expect(status).to_contain_text("1 step run (showing step 0 of 0..0)")
     rows = [line.split("\t") for line in box.locator(".widget-html").nth(1).inner_text().splitlines()[1:]]
     assert rows and all(not row[-1].strip().startswith("ass") for row in rows), rows   # answers, not "assistant..."
     screenshot(page, "browser_stepper.png")
-    page.close()
+    close(page, lab)
 
 
 @pytest.mark.slow
@@ -270,4 +285,4 @@ def test_08_stepper_until_a_swap(browser, lab):
     swapped = next(t for t in json.loads(timeline["data"]) if t[0] == "swapped")
     assert swapped[2], "the timeline should show a swapped request"
     screenshot(page, "browser_preemption.png")
-    page.close()
+    close(page, lab)
