@@ -40,6 +40,7 @@ def test_every_figure_numbers_steps_from_the_start_of_the_trace(engine):
     trace = viz.record(engine, arrivals())
     steps = list(range(len(trace.steps)))
     assert trace.steps[0].step > 0                        # the engine's own counter kept running
+    assert [a.request_id for a in trace.added] == ["0", "1"]   # ids from the run's start too
     assert viz.block_table(trace, 0).layout.title.text == "KV block table after step 0"
     assert viz.block_table(trace, -1).layout.title.text == f"KV block table after step {steps[-1]}"
     assert list(viz.batch_composition(trace).data[0].x) == steps
@@ -61,6 +62,7 @@ def test_stepper_status_slider_and_title_agree_after_reset(engine):
     stepper.step(1)
     assert stepper._slider.value == 0 and stepper._slider.max == 0
     assert stepper.figures["block_table"].layout.title.text == "KV block table after step 0"
+    assert list(stepper.figures["block_table"].data[0].y) == ["device pool", "req 0"]   # the same ids again
     assert stepper.figures["batch_composition"].layout.shapes[0].x0 == 0
     assert "1 step run</b> (showing step 0 of 0..0)" in stepper._status.value
     stepper.step(2)

@@ -66,20 +66,32 @@ class Arrival:
     step: int = 0
 
 
+def fresh_ids(engine):
+    """Request ids "0", "1", ... in the order a run adds them, skipping ids the engine still
+    holds: a trace's request ids then read the same in every run of a workload, however
+    many requests the engine served before."""
+    n = 0
+    while True:
+        if str(n) not in engine.requests:
+            yield str(n)
+        n += 1
+
+
 def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> Trace:
     """Run `workload` on `engine` to completion with a Recorder attached; returns its Trace
-    (meta holds the engine's block size and scheduling knobs, plus `meta`)."""
+    (meta holds the engine's block size and scheduling knobs, plus `meta`). Requests get ids
+    "0", "1", ... in arrival order."""
     recorder = Recorder(**_engine_meta(engine), **meta)
     engine.hooks.attach(recorder)
     pending = sorted(workload, key=lambda a: a.step)
-    step = 0
+    step, ids = 0, fresh_ids(engine)
     try:
         while (pending or engine.has_unfinished_requests()) and step < max_steps:
             if not engine.has_unfinished_requests():
                 step = max(step, pending[0].step)   # nothing to do until the next arrival
             while pending and pending[0].step <= step:
                 arrival = pending.pop(0)
-                engine.add_request(arrival.prompt, arrival.params)
+                engine.add_request(arrival.prompt, arrival.params, request_id=next(ids))
             engine.step()
             step += 1
     finally:
@@ -138,7 +150,8 @@ class Stepper:
     """Drive `engine` one step at a time and watch it: block table, batch composition and
     request timeline, redrawn after every step. `workload` (Arrivals) is queued on Reset; each
     Arrival is added before the step whose index (counted from the reset) is its `step`.
-    Steps are numbered from the reset, 0 first, in the figures, the slider and the status.
+    Steps are numbered from the reset, 0 first, in the figures, the slider and the status, and
+    requests "0", "1", ... in the order they are added.
     chat=True sends text prompts (the Add box, `add(text)`) as a user message through the
     model's chat template: an instruct model then answers instead of continuing the text."""
 
@@ -170,13 +183,15 @@ class Stepper:
         self.engine.hooks.attach(self.recorder)
         self.pending = sorted(self.workload, key=lambda a: a.step)
         self.num_steps, self.position, self.outputs = 0, None, {}
+        self._ids = fresh_ids(self.engine)   # after a Reset, the same requests get the same ids
         self.refresh()
 
     def add(self, prompt, params: SamplingParams | None = None) -> str:
         """Add a request now; it is scheduled from the next step on."""
         if self.chat and isinstance(prompt, str):
             prompt = self.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        rid = self.engine.add_request(prompt, params or SamplingParams(max_tokens=16, temperature=0.0))
+        rid = self.engine.add_request(prompt, params or SamplingParams(max_tokens=16, temperature=0.0),
+                                      request_id=next(self._ids))
         self.refresh()
         return rid
 
@@ -191,7 +206,7 @@ class Stepper:
                 break
             while self.pending and self.pending[0].step <= self.num_steps:
                 arrival = self.pending.pop(0)
-                self.engine.add_request(arrival.prompt, arrival.params)
+                self.engine.add_request(arrival.prompt, arrival.params, request_id=next(self._ids))
             for out in self.engine.step():
                 self.outputs[out.request_id] = out
             self.num_steps += 1
