@@ -68,6 +68,30 @@ def test_runner_returns_one_logits_row_per_sampling_item():
     torch.testing.assert_close(logits[0], alone["long"], atol=1e-4, rtol=1e-4)
 
 
+def test_the_runner_leaves_the_given_model_as_it_was():
+    """Backend, weights and hook state belong to the caller; the runner only reads them."""
+    model = LlamaModel.random(TINY, torch.float32, "cpu", seed=5)
+    before = dict(vars(model))
+    ModelRunner(cpu_config(backend="reference"), model=model).execute(dummy_plan(4, prefills=[(5, 5)]))
+    assert dict(vars(model)) == before
+
+
+def test_two_engines_on_one_model_each_run_their_own_backend(monkeypatch):
+    from llmlab import LLMEngine, kernels
+
+    model = LlamaModel.random(TINY, torch.float32, "cpu", seed=5)
+    engines = {name: LLMEngine(cpu_config(backend=name), model=model) for name in ("torch", "reference")}
+    seen = []
+    get_kernel = kernels.get_kernel
+    monkeypatch.setattr(kernels, "get_kernel", lambda name, backend=None: seen.append(backend) or get_kernel(name, backend))
+    for name in ("torch", "reference", "torch"):
+        seen.clear()
+        engines[name].add_request(prompt(5, 0), SamplingParams(max_tokens=2, temperature=0.5))
+        while engines[name].has_unfinished_requests():
+            engines[name].step()
+        assert seen and set(seen) == {name}
+
+
 # ---- Scheduler.update ------------------------------------------------------------------------
 
 def scheduler_with(num_blocks=32, eos=(), **overrides):

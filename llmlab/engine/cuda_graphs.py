@@ -22,8 +22,8 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphDecoder:
-    def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int):
-        self.model, self.kv_cache = model, kv_cache
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, backend: str | None = None):
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
         device = kv_cache.device.device
         self.sizes = batch_size_ladder(max_num_seqs)
         n = self.sizes[-1]
@@ -50,7 +50,7 @@ class CudaGraphDecoder:
             prefill_cu_seqlens_q=torch.zeros(1, device=device, dtype=torch.int32),
             prefill_seq_lens=empty, prefill_block_tables=empty.reshape(0, 0),
             decode_seq_lens=self.seq_lens[:size], decode_block_tables=self.block_tables[:size],
-            logits_indices=torch.arange(size, device=device), num_splits=num_splits)
+            logits_indices=torch.arange(size, device=device), num_splits=num_splits, backend=self.backend)
 
     def _capture(self, size: int, num_splits: int) -> None:
         key = (size, num_splits)

@@ -114,7 +114,7 @@ class TensorParallelExecutor:
         except BaseException as err:
             self._fail(err)
         self._wait_for("ready")
-        shard = model_from_weights(TensorParallelModel, self.local_config, weights, model.backend)
+        shard = model_from_weights(TensorParallelModel, self.local_config, weights)
         shard.tp_group = TensorParallelGroup(0, self.size, self.vocab_size)
         shard.executor = self
         sentinels = [w.process.sentinel for w in self.workers]

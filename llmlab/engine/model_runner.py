@@ -28,14 +28,14 @@ from llmlab.model.tokenizer import Tokenizer
 from llmlab.scheduler import Plan
 
 
-def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend: str):
+def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     """(model, its folder) from `config.model`: a HF folder, a .gguf file or the embedded
     model. With tensor parallelism the whole model waits on the CPU, to be cut into shards."""
     from llmlab.model.loader import iter_weights, load_config, resolve_model
 
     folder = resolve_model(config.model)
     load_device = device if config.tensor_parallel_size == 1 else torch.device("cpu")
-    return LlamaModel.from_state_dict(load_config(folder), iter_weights(folder), dtype, load_device, backend), folder
+    return LlamaModel.from_state_dict(load_config(folder), iter_weights(folder), dtype, load_device), folder
 
 
 def folder_tokenizer(folder) -> Tokenizer | None:
@@ -51,10 +51,12 @@ class ModelRunner:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        # the one home of the kernel backend: every forward's batch carries it, the engine's
+        # sampler is given it; the model itself (maybe the caller's) is never changed
         self.backend = config.resolved_backend()
         self.block_size = config.block_size
         if model is None:
-            model, folder = load(config, self.device, self.dtype, self.backend)
+            model, folder = load(config, self.device, self.dtype)
             tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(folder)
         self.tokenizer = tokenizer
         # tensor parallelism (llmlab.engine.distributed): this process is rank 0 and keeps one
@@ -65,7 +67,6 @@ class ModelRunner:
 
             self.executor = TensorParallelExecutor(config, model.config)   # starts the workers
             model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
-        model.backend = self.backend
         if self.device.type == "cpu":
             dense.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
             keep_freed_memory()               # no page faults for every large temporary
@@ -93,7 +94,7 @@ class ModelRunner:
             from llmlab.engine.cuda_graphs import CudaGraphDecoder
 
             self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs,
-                                           -(-self.max_model_len // self.block_size))
+                                           -(-self.max_model_len // self.block_size), self.backend)
         if compiled and self.executor is None:
             self.warm_up()   # compile the Triton kernel variants before the first request
 
@@ -152,7 +153,8 @@ class ModelRunner:
     def prepare(self, plan: Plan):
         """input_ids [T], positions [T] and the ForwardBatch of the plan (runner.prepare)."""
         max_context = max((item.start_position + 1 for item in plan.decodes), default=0)
-        return runner.prepare(plan, self.block_size, self.device, self.num_splits(len(plan.decodes), max_context))
+        return runner.prepare(plan, self.block_size, self.device, self.num_splits(len(plan.decodes), max_context),
+                              self.backend)
 
     def forward(self, input_ids, positions, batch: ForwardBatch, eager: bool = False) -> torch.Tensor:
         """Logits [sampling items, vocab]: a CUDA graph replay for pure-decode batches when graphs

@@ -24,7 +24,8 @@ WARM_UP_SHAPES = ([([7], []), ([5, 12], [2, 40, 2]), ([16], [2] * 16), ([29], [3
                    ([], [2] * 16)] + [([], [context]) for context in (256, 512, 1024, 2048, 4096, 8192)])
 
 
-def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int = 1):
+def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int = 1,
+            backend: str | None = None):
     """Returns input_ids [T], positions [T] and the ForwardBatch for the plan. Logits are
     asked for the last token of each item that samples (plan.sampling_items), in order."""
     bs = block_size
@@ -64,6 +65,7 @@ def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int =
         decode_block_tables=pad_tables(decode_tables, device),
         logits_indices=ints(logits_indices, torch.int64),
         num_splits=num_splits,
+        backend=backend,
     )
     return ints(input_ids, torch.int64), ints(positions, torch.int64), batch
 

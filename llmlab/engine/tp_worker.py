@@ -50,8 +50,7 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=tp,
                                 init_method=f"tcp://127.0.0.1:{port}", timeout=COLLECTIVE_TIMEOUT)
         local_config = shard_config(model_config, tp)
-        model = model_from_weights(LlamaModel, local_config, scatter_weights(None, rank, tp, device),
-                                   config.resolved_backend())
+        model = model_from_weights(LlamaModel, local_config, scatter_weights(None, rank, tp, device))
         model.tp_group = TensorParallelGroup(rank, tp, model_config.vocab_size)
         pipe.send(("ready",))
         dtype = config.resolved_dtype()

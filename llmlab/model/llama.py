@@ -6,8 +6,10 @@ chunk, then one token per decoding sequence. Each layer is
     rms_norm -> qkv -> rope -> store_kv -> attention -> o_proj -> rms_norm(+residual)
              -> gate_up -> silu_mul -> down
 
-built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton) or a
-single kernel changes what runs here; the matrix products go through `dense.linear`. Logits are computed only for each sequence's last token.
+built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton: the
+batch's `backend`, chosen by the engine's runner) or a single kernel changes what runs
+here; the matrix products go through `dense.linear`. Logits are computed only for the
+last token of each sequence that samples (`batch.logits_indices`).
 
 Hook points: inside `with model.capture() as taps:` every forward records the tensors
 named "embed", "layers.{i}.q|k|v" (after projection, before rope), "layers.{i}.attn"
@@ -40,6 +42,7 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor    # [S_decode, max_blocks]
     logits_indices: torch.Tensor         # [S] row of the last token of each sequence that samples
     num_splits: int = 1                  # flash-decoding splits (1 = PagedAttention v1)
+    backend: str | None = None           # kernels: "reference" | "torch" | "triton"; None = llmlab.kernels' default
 
 
 @dataclass
@@ -54,13 +57,12 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, embed, layers, norm, lm_head, backend=None):
+    def __init__(self, config: ModelConfig, embed, layers, norm, lm_head):
         self.config = config
         self.embed = embed          # [vocab, hidden]
         self.layers = layers        # list[LayerWeights]
         self.norm = norm            # [hidden]
         self.lm_head = lm_head      # [vocab, hidden] (the embedding itself when tied)
-        self.backend = backend      # kernel backend; None = llmlab.kernels' default
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.taps: dict | None = None
         # tensor parallelism: a TensorParallelGroup (llmlab.model.tensor_parallel) when this
@@ -73,7 +75,7 @@ class LlamaModel:
         """input_ids, positions [T]; kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D];
         kv_scales [num_layers, 2, num_blocks, block_size, Hkv] for an int8/fp8 cache, else None.
         Returns logits [S, vocab] (float32) for each sequence's last token."""
-        cfg, b = self.config, self.backend
+        cfg, b = self.config, batch.backend
         if self.tp_group is None:
             hidden = F.embedding(input_ids, self.embed)
         else:   # vocab-parallel embedding: each rank holds a slice of the table
@@ -105,7 +107,7 @@ class LlamaModel:
         return logits
 
     def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
-        cfg, b = self.config, self.backend
+        cfg, b = self.config, batch.backend
         num_tokens, heads, kv_heads, head_dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -151,15 +153,15 @@ class LlamaModel:
 
     # ---- weights -------------------------------------------------------------------
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, named_tensors, dtype, device, backend=None):
+    def from_state_dict(cls, config: ModelConfig, named_tensors, dtype, device):
         """Build from HF-named tensors (an iterable of (name, tensor)); fuses q/k/v and gate/up."""
         state = {}
         for name, tensor in named_tensors:
             state[name] = tensor.to(device=device, dtype=dtype)
-        return cls._from_hf_names(config, state, backend)
+        return cls._from_hf_names(config, state)
 
     @classmethod
-    def _from_hf_names(cls, config, state, backend):
+    def _from_hf_names(cls, config, state):
         def take(name, shape):
             if name not in state:
                 raise ValueError(f"weight {name!r} is missing from the checkpoint")
@@ -191,10 +193,10 @@ class LlamaModel:
                 down=take(p + "mlp.down_proj.weight", (h, c.intermediate_size))))
         norm = take("model.norm.weight", (h,))
         lm_head = embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, h))
-        return cls(config, embed, layers, norm, lm_head, backend)
+        return cls(config, embed, layers, norm, lm_head)
 
     @classmethod
-    def random(cls, config: ModelConfig, dtype, device, seed=0, backend=None):
+    def random(cls, config: ModelConfig, dtype, device, seed=0):
         """Random weights (std 0.02, norms near 1) in the given shape: for benchmarks and tests."""
         gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -211,7 +213,7 @@ class LlamaModel:
             for _ in range(c.num_layers)]
         embed = rand(c.vocab_size, h)
         lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, h)
-        return cls(config, embed, layers, rand(h, mean=1.0), lm_head, backend)
+        return cls(config, embed, layers, rand(h, mean=1.0), lm_head)
 
     def matrices(self) -> list[torch.Tensor]:
         """The weights that go through `dense.linear`, in forward order."""

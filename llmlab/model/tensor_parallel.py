@@ -121,13 +121,13 @@ def shard_weight(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int
     return tensor                                           # norms: replicated
 
 
-def model_from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend=None):
+def model_from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]):
     """Inverse of `named_weights`: a `cls` (LlamaModel or a subclass) holding `weights`."""
     layers = [LayerWeights(**{f.name: weights.get(f"layers.{i}.{f.name}")
                               for f in dataclasses.fields(LayerWeights)})
               for i in range(config.num_layers)]
     return cls(config, weights["embed"], layers, weights["norm"],
-               weights.get("lm_head", weights["embed"]), backend)
+               weights.get("lm_head", weights["embed"]))
 
 
 def scatter_weights(model: LlamaModel | None, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
