@@ -228,27 +228,53 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: Plan, budget: int) -> int:
         """4. Waiting requests are admitted, highest priority first, each with a prompt chunk
-        of at most the budget left (after a prefix-cache lookup)."""
+        of at most the budget left (after a prefix-cache lookup). With prefix caching, a
+        request whose first block another running request is still computing waits a step:
+        admitted together, both would compute the shared prefix (SGLang's cache-aware
+        admission); a step later it finds the prefix in the cache."""
         self.waiting.sort(key=self.policy)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        in_flight = self._prefixes_in_flight()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
             if not request.block_table:
                 cached = self.blocks.match_prefix(request)
                 if cached:
                     request.num_computed_tokens = cached
                     request.num_cached_prompt_tokens = cached
                     plan.prefix_hit_tokens[request.request_id] = cached
+                elif in_flight and self._first_block(request) in in_flight:
+                    self.blocks.free(request)
+                    i += 1
+                    continue
             used = self._schedule_prefill(request, budget, plan)
             if used == 0:
                 self.blocks.free(request)    # give back any shared prefix blocks
                 request.num_computed_tokens = 0
                 plan.prefix_hit_tokens.pop(request.request_id, None)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= used
+            if in_flight is not None and request.num_computed_tokens < self.blocks.block_size:
+                first = self._first_block(request)
+                if first is not None:
+                    in_flight.add(first)
         return budget
+
+    def _first_block(self, request: Request):
+        """The hash of the request's first full prompt block (None if it has none)."""
+        if request.num_tokens <= self.blocks.block_size:
+            return None
+        return self.blocks.block_hashes(request, 1)[0]
+
+    def _prefixes_in_flight(self) -> set | None:
+        """First-block hashes that running requests are computing now (prefix caching only)."""
+        if not self.blocks.enable_prefix_caching:
+            return None
+        return {self._first_block(r) for r in self.running
+                if r.num_computed_tokens < self.blocks.block_size and self._first_block(r) is not None}
 
     def _schedule_prefill(self, request: Request, budget: int, plan: Plan) -> int:
         """Schedule the next prompt chunk of `request`; returns the tokens used (0 = none fit)."""

@@ -68,3 +68,26 @@ def test_each_block_is_hashed_once(llm):
     full_blocks = sum((r.num_tokens - 1) // bs for r in requests)   # the last token is never computed
     assert sum(hashed) <= full_blocks + len(requests)
     assert sum(hashed) >= full_blocks
+
+
+def test_requests_sharing_a_prefix_admitted_together_compute_it_once(llm):
+    """Two prompts with the same 3-block prefix arrive in the same step: the second waits a
+    step and then finds the prefix in the cache, instead of computing it alongside the first.
+    Greedy outputs are the same as with prefix caching off."""
+    engine = llm.engine
+    manager = engine.block_manager
+    prefix = list(range(100, 100 + 3 * manager.block_size))
+    prompts = [prefix + [7, 8, 9], prefix + [10, 11]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    without = [o.token_ids for o in llm.generate(prompts, params)]
+    manager.enable_prefix_caching = True
+    try:
+        manager.reset_prefix_cache()
+        outputs = llm.generate(prompts, params)
+    finally:
+        manager.reset_prefix_cache()
+        manager.enable_prefix_caching = False
+    assert [o.token_ids for o in outputs] == without
+    assert outputs[0].num_cached_prompt_tokens == 0
+    assert outputs[1].num_cached_prompt_tokens == 3 * manager.block_size
+    assert engine.kv_stats()["free_device_blocks"] == engine.kv_stats()["total_device_blocks"]
