@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # tokens per step; None = 2048 on a GPU, 512 on a CPU
     max_model_len: int | None = None    # None = the model's context length
     enable_chunked_prefill: bool = True # long prompts run in chunks beside decodes (SARATHI)
+    long_prefill_token_threshold: int = 0   # most prompt tokens one request takes per step (0 = no cap); `llmlab serve` uses 64 on a CPU
     enable_prefix_caching: bool = False # reuse the KV blocks of a prompt prefix seen before
     preemption_mode: str = "recompute"  # "swap" | "recompute"
     enforce_eager: bool = False         # True = no CUDA graphs for decode steps
@@ -53,6 +54,8 @@ class EngineConfig:
             ("swap_space", self.swap_space >= 0, ">= 0"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("long_prefill_token_threshold", isinstance(self.long_prefill_token_threshold, int)
+             and self.long_prefill_token_threshold >= 0, "an integer >= 0 (0 = no cap)"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
              "None or >= 1"),
             ("preemption_mode", self.preemption_mode in ("swap", "recompute"),

@@ -281,6 +281,10 @@ class Scheduler:
         remaining = request.num_uncomputed_tokens
         if self.config.enable_chunked_prefill:
             chunk = min(remaining, budget)
+            if self.config.long_prefill_token_threshold:
+                # vLLM's long_prefill_token_threshold: a long prompt cannot take a whole step's
+                # budget, so requests behind it are admitted (no head-of-line blocking)
+                chunk = min(chunk, self.config.long_prefill_token_threshold)
             # never more tokens than free blocks can hold
             room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
             chunk = min(chunk, room - request.num_computed_tokens)

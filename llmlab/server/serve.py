@@ -56,6 +56,9 @@ def allowed_hosts_for(args) -> list[str]:
     return LOOPBACK_HOSTS if args.host in LOOPBACK_HOSTS else ["*"]
 
 
+CPU_LONG_PREFILL_THRESHOLD = 64
+
+
 def main(args) -> None:
     from llmlab.config import EngineConfig, engine_kwargs
     from llmlab.engine.engine import LLMEngine
@@ -63,7 +66,12 @@ def main(args) -> None:
     from llmlab.server.guards import check_api_key_value
 
     check_api_key_value(args.api_key)   # before minutes of loading, not after
-    config = EngineConfig(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    config = EngineConfig(**kwargs)
+    if "long_prefill_token_threshold" not in kwargs and config.resolved_device().type == "cpu":
+        # a CPU step over a whole 512-token budget takes seconds: cap each prompt's share so a
+        # short request is not queued behind a long prompt (BENCHMARKS.md, "Head-of-line blocking")
+        config = EngineConfig(**kwargs, long_prefill_token_threshold=CPU_LONG_PREFILL_THRESHOLD)
     start = time.perf_counter()
     print(f"loading {config.model or 'the embedded ' + EMBEDDED_MODEL_NAME} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(config)

@@ -1,0 +1,37 @@
+"""long_prefill_token_threshold (vLLM's name): a long prompt takes at most that many tokens
+per step, so a short request that arrives behind it is admitted at once."""
+from __future__ import annotations
+
+import pytest
+
+from llmlab import EngineConfig, SamplingParams
+from llmlab.cache.block_manager import BlockManager
+from llmlab.request import Request
+from llmlab.scheduler import Scheduler
+
+
+def first_steps(threshold, steps=2):
+    config = EngineConfig(device="cpu", max_num_batched_tokens=512, long_prefill_token_threshold=threshold)
+    scheduler = Scheduler(config, BlockManager(256, 0, 16), max_model_len=4096)
+    long, short = Request("long", None, [5] * 3000, SamplingParams()), Request("short", None, [6] * 4, SamplingParams())
+    scheduler.add(long)
+    plans = [scheduler.schedule()]
+    scheduler.update(plans[0], [9] * len(plans[0].sampling_items))
+    scheduler.add(short)
+    for _ in range(steps - 1):
+        plans.append(scheduler.schedule())
+        scheduler.update(plans[-1], [9] * len(plans[-1].sampling_items))
+    return [[(i.request.request_id, i.num_tokens) for i in plan.items] for plan in plans]
+
+
+def test_without_a_cap_the_long_prompt_takes_every_step():
+    assert first_steps(0) == [[("long", 512)], [("long", 512)]]
+
+
+def test_with_a_cap_the_short_request_is_admitted_next_step():
+    assert first_steps(64) == [[("long", 64)], [("long", 64), ("short", 4)]]
+
+
+def test_bad_threshold_is_rejected():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
