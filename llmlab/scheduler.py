@@ -104,6 +104,9 @@ class Scheduler:
         self.policy = policy
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)   # a request stops on these unless it ignores EOS
+        # vLLM's priority scheduling: a waiting request that outranks a running one (a smaller
+        # policy key) preempts it when it finds no free slot or blocks (off: it waits)
+        self.preempt_for_priority = False
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -235,8 +238,14 @@ class Scheduler:
         self.waiting.sort(key=self.policy)
         in_flight = self._prefixes_in_flight()
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
+            if len(self.running) >= self.config.max_num_seqs:
+                given_back = self._preempt_for(request, plan)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
             if not request.block_table:
                 cached = self.blocks.match_prefix(request)
                 if cached:
@@ -252,7 +261,11 @@ class Scheduler:
                 self.blocks.free(request)    # give back any shared prefix blocks
                 request.num_computed_tokens = 0
                 plan.prefix_hit_tokens.pop(request.request_id, None)
-                break
+                given_back = self._preempt_for(request, plan)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
             self.waiting.pop(i)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -262,6 +275,18 @@ class Scheduler:
                 if first is not None:
                     in_flight.add(first)
         return budget
+
+    def _preempt_for(self, request: Request, plan: Plan) -> int | None:
+        """With preempt_for_priority: preempt the lowest-priority running request if `request`
+        outranks it; returns the tokens its items gave back to the budget (None: nobody)."""
+        if not self.preempt_for_priority or not self.running:
+            return None
+        victim = max(self.running, key=self.policy)   # appended this step: the list is not sorted
+        if not self.policy(request) < self.policy(victim):
+            return None
+        given_back = sum(item.num_tokens for item in plan.items if item.request is victim)
+        self._preempt(victim, plan)
+        return given_back
 
     def _first_block(self, request: Request):
         """The hash of the request's first full prompt block (None if it has none)."""

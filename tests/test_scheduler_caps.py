@@ -35,3 +35,24 @@ def test_with_a_cap_the_short_request_is_admitted_next_step():
 def test_bad_threshold_is_rejected():
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineConfig(long_prefill_token_threshold=-1)
+
+
+def test_priority_preempts_a_lower_priority_running_request():
+    """preempt_for_priority: a newcomer that outranks a running request takes its slot."""
+    config = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=512)
+    priority = {"low-1": 1, "low-2": 1, "low-3": 1, "high": 0}
+    scheduler = Scheduler(config, BlockManager(256, 0, 16), 4096,
+                          policy=lambda r: (priority[r.request_id], r.arrival_time))
+    scheduler.preempt_for_priority = True
+    for rid in ("low-1", "low-2"):
+        scheduler.add(Request(rid, None, [5] * 40, SamplingParams(max_tokens=50)))
+    plan = scheduler.schedule()
+    scheduler.update(plan, [9] * len(plan.sampling_items))
+    scheduler.add(Request("high", None, [6] * 8, SamplingParams()))
+    plan = scheduler.schedule()
+    assert plan.preempted == ["low-2"]                      # the newest of the least important
+    assert "high" in [i.request.request_id for i in plan.prefills]
+    scheduler.preempt_for_priority = False                  # off: the newcomer waits
+    low = Request("low-3", None, [5] * 8, SamplingParams())
+    scheduler.add(low)
+    assert "low-3" not in [i.request.request_id for i in scheduler.schedule().items]

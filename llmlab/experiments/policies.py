@@ -10,10 +10,10 @@ preempted when KV blocks run out (the running request with the largest key).
                           that knows output lengths (the best a length predictor could do)
   priority                the workload's `priority` field (lower = more important), then
                           arrival: under memory pressure the least important running
-                          request is preempted first. A newcomer that outranks a running
-                          request still waits for a free slot or free blocks: preempting
-                          for it (vLLM's priority scheduling) needs Scheduler.schedule's
-                          admission step to do it
+                          request is preempted first, and a newcomer that outranks a
+                          running request preempts it when no slot or blocks are free
+                          (vLLM's priority scheduling: run() and simulate() set the
+                          scheduler's preempt_for_priority)
 
 Your own key function works the same way: `run(workload, engine, policy=my_key)`.
 """

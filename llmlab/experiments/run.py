@@ -53,6 +53,7 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         while engine.has_unfinished_requests():
             engine.step()
     previous_policy, engine.scheduler.policy = engine.scheduler.policy, key
+    previous_preempt, engine.scheduler.preempt_for_priority = engine.scheduler.preempt_for_priority, policy == "priority"
     recorder = Recorder(engine=engine_meta(engine), policy=getattr(policy, "__name__", str(policy)),
                         idle_before_steps=[])
     engine.hooks.attach(recorder)
@@ -76,6 +77,7 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
     finally:
         engine.hooks.detach(recorder)
         engine.scheduler.policy = previous_policy
+        engine.scheduler.preempt_for_priority = previous_preempt
         for request_id in list(engine.requests):   # interrupted: leave the engine idle
             engine.abort(request_id)
     meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"],

@@ -56,6 +56,7 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
                              f"max_model_len is {max_model_len}")
     scheduler = Scheduler(config, BlockManager(num_device, num_host, config.block_size,
                                                config.enable_prefix_caching), max_model_len, key)
+    scheduler.preempt_for_priority = policy == "priority"      # as run() sets it on the engine
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     metrics = {r.request_id: RequestMetrics(r.request_id, r.arrival_time, len(r.prompt_token_ids), r.priority)
                for r in pending}
