@@ -51,7 +51,7 @@ def cmd_generate(args) -> None:
     llm = _load(args)
     prompt = args.prompt
     if args.chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = [{"role": "user", "content": prompt}]   # the engine renders the template
     _stream(llm.engine, prompt, _params(args))
 
 
@@ -68,7 +68,7 @@ def cmd_chat(args) -> None:
             break
         messages.append({"role": "user", "content": line})
         print("model> ", end="", flush=True)
-        reply = _stream(llm.engine, llm.tokenizer.apply_chat_template(messages), _params(args))
+        reply = _stream(llm.engine, messages, _params(args))
         messages.append({"role": "assistant", "content": reply})
 
 

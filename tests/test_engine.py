@@ -134,11 +134,32 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert_all_blocks_free(engine)
 
 
+def test_text_token_ids_and_chat_messages_meet_at_one_tokenization_point(llm):
+    """add_request takes a string, token ids or chat messages, all through engine.tokenize:
+    a conversation as messages and as its rendered token ids is the same request."""
+    engine = make_engine(llm, num_gpu_blocks=64)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = llm.tokenizer.apply_chat_template(messages)
+    assert engine.tokenize(messages) == (ids, None)
+    assert engine.tokenize(ids) == (ids, None)
+    assert engine.tokenize("Hello there") == (llm.tokenizer.encode("Hello there"), "Hello there")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    by_messages, by_ids = run_all(engine, [messages, ids], params)
+    assert by_messages.prompt_token_ids == ids and by_messages.token_ids == by_ids.token_ids
+    assert [o.token_ids for o in llm.chat(messages, params)] == [by_ids.token_ids]
+    no_tokenizer = LLMEngine(EngineConfig(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=8),
+                             model=llm.engine.model)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        no_tokenizer.add_request(messages)
+    assert no_tokenizer.tokenize(ids) == (ids, None)
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ("", GREEDY, "empty"),
     ([], GREEDY, "empty"),
     ("x " * 200, GREEDY, "max_model_len"),
     (123, GREEDY, "prompt must be"),
+    ([{"role": "user", "content": "Hi"}, "Hi"], GREEDY, "prompt must be"),
     ([1, 2, 10**9], GREEDY, "token ids"),
     ("hello", "not params", "SamplingParams"),
 ])

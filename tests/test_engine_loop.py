@@ -92,6 +92,22 @@ def test_two_engines_on_one_model_each_run_their_own_backend(monkeypatch):
         assert seen and set(seen) == {name}
 
 
+def test_a_chat_template_error_is_a_value_error():
+    from jinja2 import TemplateError
+
+    from llmlab import LLMEngine
+
+    class StrictTemplate:   # stands in for a tokenizer whose template only allows some roles
+        eos_token_id = None
+
+        def apply_chat_template(self, messages):
+            raise TemplateError("roles must alternate")
+
+    engine = LLMEngine(cpu_config(), model=MODEL, tokenizer=StrictTemplate())
+    with pytest.raises(ValueError, match="chat template: roles must alternate"):
+        engine.add_request([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
 # ---- Scheduler.update ------------------------------------------------------------------------
 
 def scheduler_with(num_blocks=32, eos=(), **overrides):

@@ -60,20 +60,36 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # ---- requests --------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def tokenize(self, prompt) -> tuple[list[int], str | None]:
+        """(token ids, prompt text) of a prompt: a string (encoded), token ids (kept as they
+        are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
+        chat template, then encoded). The text is the string given, else None. The one place
+        prompts become tokens: add_request, LLM.chat, the CLI and the server all come here."""
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+        if not (isinstance(prompt, str) or is_messages):
+            raise ValueError('prompt must be a string, a list of token ids, or chat messages '
+                             '(a list of {"role", "content"} dicts)')
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer; pass the prompt as token ids")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        from jinja2 import TemplateError   # chat templates are Jinja templates
+
+        try:
+            return self.tokenizer.apply_chat_template(list(prompt)), None
+        except TemplateError as err:   # e.g. a template that only allows alternating roles
+            raise ValueError(f"chat template: {err}") from None
+
+    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue a prompt (text, token ids or chat messages: see `tokenize`); returns its
+        request id."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass token ids")
-            token_ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids, text = list(prompt), None
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
+        token_ids, text = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size

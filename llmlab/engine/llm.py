@@ -31,10 +31,11 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a list (texts or token-id lists), batched by the engine.
+        """Generate for one prompt or a list (texts, token-id lists or chat conversations: any
+        prompt LLMEngine.add_request takes), batched by the engine.
         Returns one finished RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]   # one prompt: a text, token ids or a conversation
         params = params if params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -67,11 +68,11 @@ class LLM:
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Like generate, for conversations (lists of {"role", "content"} messages) rendered
-        with the model's chat template. A single conversation may be passed bare."""
+        with the model's chat template (by the engine: LLMEngine.tokenize). A single
+        conversation may be passed bare."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(messages) for messages in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(list(conversations), params, use_tqdm)
 
     def throughput(self, prompts, params: SamplingParams) -> tuple[list[RequestOutput], float]:
         """generate() and its output tokens per second."""

@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from jinja2 import TemplateError
-
 from llmlab.engine.engine import LLMEngine
 from llmlab.request import Request, RequestOutput
 from llmlab.sampling import SamplingParams
@@ -50,18 +48,9 @@ def engine_failed() -> APIError:    # the details go to the log, not to the clie
 
 
 def tokenize(engine: LLMEngine, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
-    """Token ids of a prompt (text or ids) or of chat messages (the model's chat template).
-    The server's one place for this (it runs on the tokenizer thread; once LLMEngine has a
-    tokenization entry point of its own, this calls it)."""
-    if messages is None and not isinstance(prompt, str):
-        return list(prompt)
-    if engine.tokenizer is None:
-        raise ValueError("this model has no tokenizer; send token ids as the prompt")
-    try:
-        return (engine.tokenizer.apply_chat_template(messages) if messages is not None
-                else engine.tokenizer.encode(prompt))
-    except TemplateError as err:   # e.g. a template that only allows alternating roles
-        raise ValueError(f"chat template: {err}") from None
+    """Token ids of a prompt (text or ids) or of chat messages (the model's chat template),
+    by the engine's one tokenization point (run on the tokenizer thread)."""
+    return engine.tokenize(messages if messages is not None else prompt)[0]
 
 
 @dataclass(eq=False)
