@@ -38,8 +38,8 @@ import torch.multiprocessing as mp
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.engine.tp_worker import COLLECTIVE_TIMEOUT, rank_device, worker_main
-from llmlab.model.tensor_parallel import (TensorParallelGroup, model_from_weights, scatter_weights,
-                                          shard_config)
+from llmlab.model.tensor_parallel import (TensorParallelGroup, TensorParallelShard, model_from_weights,
+                                          scatter_weights, shard_config)
 
 START_TIMEOUT_S = 300    # a worker's start: import torch, join the group, receive its weights
 # longest any rank may wait inside one collective; ranks only enter collectives together
@@ -281,7 +281,7 @@ def _to_wire(value):
 
 
 
-class TensorParallelModel(LlamaModel):
+class TensorParallelModel(TensorParallelShard):
     """Rank 0's shard. Its forward is the whole model's: it sends the step to the workers,
     then runs its own shard in step with theirs. Logits come back whole (all-gathered)."""
 

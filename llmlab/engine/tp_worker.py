@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from llmlab.cache.kv_cache import KVCache, bytes_per_block
 from llmlab.config import EngineConfig, ModelConfig
-from llmlab.model.llama import ForwardBatch, LlamaModel
-from llmlab.model.tensor_parallel import TensorParallelGroup, model_from_weights, scatter_weights, shard_config
+from llmlab.model.llama import ForwardBatch
+from llmlab.model.tensor_parallel import (TensorParallelGroup, TensorParallelShard, model_from_weights,
+                                          scatter_weights, shard_config)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -50,7 +51,7 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=tp,
                                 init_method=f"tcp://127.0.0.1:{port}", timeout=COLLECTIVE_TIMEOUT)
         local_config = shard_config(model_config, tp)
-        model = model_from_weights(LlamaModel, local_config, scatter_weights(None, rank, tp, device))
+        model = model_from_weights(TensorParallelShard, local_config, scatter_weights(None, rank, tp, device))
         model.tp_group = TensorParallelGroup(rank, tp, model_config.vocab_size)
         pipe.send(("ready",))
         dtype = config.resolved_dtype()

@@ -65,9 +65,6 @@ class LlamaModel:
         self.lm_head = lm_head      # [vocab, hidden] (the embedding itself when tied)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.taps: dict | None = None
-        # tensor parallelism: a TensorParallelGroup (llmlab.model.tensor_parallel) when this
-        # model is one rank's shard; None on a single device, where it costs one `if` per point
-        self.tp_group = None
 
     # ---- forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -76,10 +73,7 @@ class LlamaModel:
         kv_scales [num_layers, 2, num_blocks, block_size, Hkv] for an int8/fp8 cache, else None.
         Returns logits [S, vocab] (float32) for each sequence's last token."""
         cfg, b = self.config, batch.backend
-        if self.tp_group is None:
-            hidden = F.embedding(input_ids, self.embed)
-        else:   # vocab-parallel embedding: each rank holds a slice of the table
-            hidden = self.tp_group.embedding(input_ids, self.embed)
+        hidden = self.embedding(input_ids)
         self._tap("embed", hidden)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -91,20 +85,26 @@ class LlamaModel:
             hidden = self.attention(i, layer, x, positions, batch, kv_cache[i, 0], kv_cache[i, 1], *scales)
             self._tap(f"layers.{i}.attn", hidden)
             x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
-            hidden = linear(kernels.silu_mul(linear(x, layer.gate_up), backend=b), layer.down)
-            if self.tp_group is not None:   # row-parallel down: sum the ranks' partial outputs
-                hidden = self.tp_group.all_reduce(hidden)
+            hidden = self.mlp(layer, x, b)
             self._tap(f"layers.{i}.mlp", hidden)
         # only the last token of each sequence needs the final norm and the vocab projection
         idx = batch.logits_indices
         last, _ = kernels.rms_norm(hidden[idx], self.norm, cfg.rms_norm_eps, residual[idx], backend=b)
         self._tap("norm", last)
-        logits = linear(last, self.lm_head)
-        if self.tp_group is not None:   # vocab-parallel lm_head: gather every rank's vocab slice
-            logits = self.tp_group.gather_logits(logits)
-        logits = logits.float()
+        logits = self.logits(last).float()
         self._tap("logits", logits)
         return logits
+
+    # The forward's parts. A tensor-parallel shard (model/tensor_parallel.py) is this model
+    # with a collective after four of them; the forward itself has no parallelism in it.
+    def embedding(self, input_ids) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def mlp(self, layer: LayerWeights, x, backend=None) -> torch.Tensor:
+        return linear(kernels.silu_mul(linear(x, layer.gate_up), backend=backend), layer.down)
+
+    def logits(self, last) -> torch.Tensor:
+        return linear(last, self.lm_head)
 
     def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
         cfg, b = self.config, batch.backend
@@ -130,10 +130,7 @@ class LlamaModel:
                 q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
                 self.scale, batch.num_splits, k_scales, v_scales, backend=b))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
-        if self.tp_group is not None:   # row-parallel o_proj: sum the ranks' partial outputs
-            out = self.tp_group.all_reduce(out)
-        return out
+        return linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
 
     # ---- hook points ---------------------------------------------------------------
     @contextlib.contextmanager

@@ -15,10 +15,12 @@ Each rank keeps
   all-gather concatenates them and the padding is cut off.
 - norms: replicated (they are tiny).
 
-A shard is an ordinary LlamaModel of a smaller config (`shard_config`) whose `tp_group`
-is a TensorParallelGroup: the forward calls it at the embedding, after o_proj, after down
-and at the logits. The communication goes through torch.distributed (NCCL on GPUs, gloo
-on CPU); the process group is set up by llmlab.engine.distributed.
+A shard is a TensorParallelShard: a LlamaModel of a smaller config (`shard_config`) whose
+embedding, attention, MLP and logits are the model's own followed by a collective of its
+TensorParallelGroup. Parallelism wraps the forward's parts from outside (as gpt-fast's
+tp.py hooks its modules); LlamaModel.forward itself has none. The communication goes
+through torch.distributed (NCCL on GPUs, gloo on CPU); the process group is set up by
+llmlab.engine.distributed.
 """
 from __future__ import annotations
 
@@ -151,10 +153,10 @@ def scatter_weights(model: LlamaModel | None, rank: int, tp: int, device) -> dic
         dist.scatter(shard[name], parts, src=0)
 
 
-# ---- the communication inside the forward ---------------------------------------------------
+# ---- the communication around the forward's parts -------------------------------------------
 
 class TensorParallelGroup:
-    """What a shard's forward calls to talk to the other ranks (`LlamaModel.tp_group`)."""
+    """What a shard calls to talk to the other ranks (`TensorParallelShard.tp_group`)."""
 
     def __init__(self, rank: int, size: int, vocab_size: int):
         self.rank, self.size, self.vocab_size = rank, size, vocab_size
@@ -180,3 +182,22 @@ class TensorParallelGroup:
         parts = [torch.empty_like(logits) for _ in range(self.size)]
         dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+class TensorParallelShard(LlamaModel):
+    """One rank's shard: the whole model's forward, with a collective where this rank's
+    part of a result meets the other ranks' parts. Set `tp_group` before the first forward."""
+
+    tp_group: TensorParallelGroup
+
+    def embedding(self, input_ids):
+        return self.tp_group.embedding(input_ids, self.embed)        # vocab-parallel table
+
+    def attention(self, *args, **kwargs):
+        return self.tp_group.all_reduce(super().attention(*args, **kwargs))   # row-parallel o_proj
+
+    def mlp(self, layer, x, backend=None):
+        return self.tp_group.all_reduce(super().mlp(layer, x, backend))       # row-parallel down
+
+    def logits(self, last):
+        return self.tp_group.gather_logits(super().logits(last))     # vocab-parallel lm_head
