@@ -76,6 +76,18 @@ def test_the_runner_leaves_the_given_model_as_it_was():
     assert dict(vars(model)) == before
 
 
+def test_warm_up_runs_mixed_prefill_and_decode_steps(monkeypatch):
+    """A first mixed step once stalled 2 s on Triton compiles: the warm-up must run some,
+    on blocks no request owns, and skip shapes the engine cannot hold."""
+    runner = ModelRunner(cpu_config(num_gpu_blocks=64, max_model_len=48), model=MODEL)
+    shapes = []
+    monkeypatch.setattr(runner, "execute", lambda plan: shapes.append(
+        (len(plan.prefills), len(plan.decodes), max(i.start_position + i.num_tokens for i in plan.items))))
+    runner.warm_up()
+    assert any(prefills and decodes for prefills, decodes, _ in shapes)
+    assert shapes and all(longest <= 48 for *_, longest in shapes)
+
+
 def test_two_engines_on_one_model_each_run_their_own_backend(monkeypatch):
     from llmlab import LLMEngine, kernels
 
