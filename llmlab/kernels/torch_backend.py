@@ -225,12 +225,11 @@ def _rank_cut(x, top_k, top_p):
         cut[rows[done]] = found[done]
         if done.all():
             break
-        # next K: enough for the deepest top-k left, and for top-p as many again as the mass
-        # still missing suggests (a flat row goes straight to the full sort)
+        # next K: 8x as many candidates, or the deepest top-k left; only the rows still
+        # unresolved go on, so one flat row does not make every row pay for a full sort
         left = ~done
-        mass = probs[left].sum(dim=-1).clamp(min=1e-6)
-        want = torch.maximum(k[left].float(), K * 2 * p[left] / mass)
-        K = int(min(V, max(8 * K, want.max().item())))
+        deepest_top_k = torch.where(k[left] < V, k[left], 0).max().item()   # k = V: top-k is off
+        K = int(min(V, max(8 * K, deepest_top_k)))
         K = V if K > V // 4 else K
         rows = rows[left]
     return cut
