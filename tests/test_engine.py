@@ -5,6 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
+
+import engine_helpers
+from engine_helpers import assert_all_blocks_free
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
@@ -19,24 +22,7 @@ def make_engine(llm, **overrides) -> LLMEngine:
 
 
 def run_all(engine, prompts, params=GREEDY, recorder=None):
-    if recorder is not None:
-        engine.hooks.attach(recorder)
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-    return [results[i] for i in ids]
-
-
-def assert_all_blocks_free(engine):
-    stats = engine.kv_stats()
-    assert stats["free_device_blocks"] == stats["total_device_blocks"]
-    assert stats["free_host_blocks"] == stats["total_host_blocks"]
-    assert all(count == 0 for count in engine.block_manager.ref_counts)
-    assert not engine.requests
+    return engine_helpers.run_all(engine, prompts, params, recorder)
 
 
 @pytest.fixture(scope="module")

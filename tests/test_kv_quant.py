@@ -15,30 +15,16 @@ from llmlab.config import ModelConfig
 from llmlab.kernels import reference
 from llmlab.model.llama import LlamaModel
 
+import engine_helpers
+from engine_helpers import assert_all_blocks_free
+
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
            "1, 2, 3, 4,", "Explain what a hash table is to a ten year old child, step by step."]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def run_all(engine, prompts, params=GREEDY, recorder=None):
-    """Step the engine until every prompt is done; finished outputs in prompt order."""
-    if recorder is not None:
-        engine.hooks.attach(recorder)
-    ids = [engine.add_request(p, params) for p in prompts]
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-    return [results[i] for i in ids]
-
-
-def assert_all_blocks_free(engine):
-    stats = engine.kv_stats()
-    assert stats["free_device_blocks"] == stats["total_device_blocks"]
-    assert stats["free_host_blocks"] == stats["total_host_blocks"]
-    assert all(count == 0 for count in engine.block_manager.ref_counts)
-    assert not engine.requests
+    return engine_helpers.run_all(engine, prompts, params, recorder)
 
 
 def outlier_rows(gen, num_rows=64, head_dim=64):
