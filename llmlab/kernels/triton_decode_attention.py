@@ -179,10 +179,12 @@ def _launch_config(head_dim, dtype, device):
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
-                     k_scales=None, v_scales=None):
+                     k_scales=None, v_scales=None, q8_variant=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens (v1, or
     v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits), from a
-    full-precision or a quantized cache. See kernels_explained/decode_attention.md."""
+    full-precision or a quantized cache. See kernels_explained/decode_attention.md.
+    A quantized cache runs triton_decode_attention_q8 (q8_variant names its Q8Config;
+    None: $LLMLAB_Q8_DECODE or the default), or this file's kernel for "legacy-*"."""
     # q:            [num_seqs, num_heads, head_dim]
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
@@ -216,6 +218,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = choose_num_splits(num_seqs, num_kv_heads, int(seq_lens.max()), num_sms)
     block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    if quantized:
+        from .triton_decode_attention_q8 import decode_attention_q8, q8_config  # it imports this module
+
+        config = q8_config(q8_variant)
+        if config.dequant != "legacy":
+            return decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                                       k_scales, v_scales, config)
     group = num_heads // num_kv_heads
     block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
     split = num_splits > 1
