@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_seqs: int = 64              # requests running at once (a step's batch)
     max_num_batched_tokens: int | None = None   # tokens per step; None = 2048 on a GPU, 512 on a CPU
     max_model_len: int | None = None    # None = the model's context length
+    async_scheduling: bool | None = None   # overlap: schedule and prepare step N+1 while the device runs step N; None = on for CUDA, off on a CPU
     enable_chunked_prefill: bool = True # long prompts run in chunks beside decodes (SARATHI)
     long_prefill_token_threshold: int = 0   # most prompt tokens one request takes per step (0 = no cap); `llmlab serve` uses 64 on a CPU
     enable_prefix_caching: bool = False # reuse the KV blocks of a prompt prefix seen before
@@ -36,6 +37,7 @@ class EngineConfig:
     enforce_eager: bool = False         # True = no CUDA graphs for decode steps
     seed: int = 0                       # for requests that sample without their own seed
     tensor_parallel_size: int = 1       # ranks (GPUs) the model is sharded over, Megatron-style
+    pipeline_parallel_size: int = 1     # stages the layers are split into, tensor_parallel_size ranks each
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -62,6 +64,8 @@ class EngineConfig:
              "swap or recompute"),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
              and self.tensor_parallel_size >= 1, "a positive integer"),
+            ("pipeline_parallel_size", isinstance(self.pipeline_parallel_size, int)
+             and self.pipeline_parallel_size >= 1, "a positive integer"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -77,9 +81,9 @@ class EngineConfig:
             if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device) < (8, 9):
                 raise ValueError(f"EngineConfig.kv_cache_dtype='fp8_e4m3' needs a CUDA GPU of compute capability "
                                  f"8.9 or newer (device here: {self.device!r}); use 'int8'")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} does not support "
-                             "tensor_parallel_size > 1 yet; use 'auto'")
+                             "tensor_parallel_size or pipeline_parallel_size > 1 yet; use 'auto'")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -90,6 +94,16 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def resolved_async_scheduling(self) -> bool:
+        """Whether the engine overlaps steps (vLLM's async scheduling): async_scheduling, or
+        by device when None. Off with tensor or pipeline parallelism: their workers run each
+        step in lockstep with this process."""
+        if self.tensor_parallel_size * getattr(self, "pipeline_parallel_size", 1) > 1:
+            return False
+        if self.async_scheduling is None:
+            return self.resolved_device().type == "cuda"
+        return bool(self.async_scheduling)
 
     def resolved_backend(self) -> str:
         if self.backend == "auto":
@@ -192,7 +206,7 @@ def default_token_budget(device: torch.device) -> int:
 # Every `llmlab` command that builds an engine gets the same flags, with vLLM's spelling
 # (--max-num-seqs, --enable-prefix-caching / --no-enable-prefix-caching); a new field
 # becomes a flag with no edit here. Its help is the comment beside the field.
-FLAG_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"]}
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"], "pipeline_parallel_size": ["-pp", "--pp"]}
 
 
 def _field_comments() -> dict[str, str]:

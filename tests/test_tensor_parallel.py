@@ -23,6 +23,7 @@ import transformers
 import llmlab
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig
+from llmlab.engine import wire
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import (check_tensor_parallel_size, kv_heads_of_rank, named_weights,
                                           shard_weight)
@@ -194,9 +195,9 @@ def tiny_tp2_engine(tmp_path):
 
 def test_a_worker_error_reaches_rank_0_with_its_traceback(tiny_tp2_engine):
     engine = tiny_tp2_engine
-    engine.executor.workers[0].pipe.send(("no-such-message",))    # the worker raises on it
+    wire.broadcast_header(engine.executor.groups, [99])    # no such message: the worker raises on it
     engine.add_request([1, 2, 3], GREEDY)
-    with pytest.raises(RuntimeError, match="(?s)worker 1 failed:.*Traceback.*unknown message 'no-such-message'"):
+    with pytest.raises(RuntimeError, match="(?s)worker 1 failed:.*Traceback.*unknown message 99 from rank 0"):
         engine.step()
     with pytest.raises(RuntimeError, match="worker 1 failed"):    # and keeps saying so
         engine.step()

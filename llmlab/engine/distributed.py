@@ -1,30 +1,30 @@
-"""Tensor-parallel execution: this process is rank 0; tensor_parallel_size - 1 worker
-processes are the other ranks, one GPU each (cuda:{rank}, NCCL) or, without CUDA, one
-CPU process each (gloo).
+"""Parallel execution: this process is rank 0; tensor_parallel_size x pipeline_parallel_size
+- 1 worker processes are the other ranks, one GPU each (cuda:{rank}, NCCL) or, without CUDA,
+one CPU process each (gloo). engine/placement.py says which rank holds what.
 
-Rank 0 runs the whole engine: the one scheduler, block manager and runner. Its model is
-a TensorParallelModel, whose forward sends the prepared batch (input_ids, positions,
-ForwardBatch) to every worker and then runs rank 0's own shard; each worker runs the same
-forward on its shard, and inside it the ranks meet in the all-reduces and the all-gather
-of llmlab.model.tensor_parallel. Only rank 0 samples; the workers drop their logits.
+Rank 0 runs the whole engine: the one scheduler, block manager, runner and sampler. Its
+model is a ParallelModel, whose forward broadcasts the prepared batch to every worker
+(engine/wire.py: a small header, then the batch's tensors, all through torch.distributed)
+and then runs rank 0's own part of it (engine/pipeline.py: its layers, its micro-batches);
+each worker runs its part of the same step, and the ranks meet in the tensor-parallel
+all-reduces (model/tensor_parallel.py) and the pipeline's send/recv. Only rank 0 samples.
 
-Steps travel through one pipe per worker, the math through torch.distributed. A worker
-waiting on a pipe costs nothing however long a server idles, sees rank 0 end (the pipe
-closes, so no process is left orphaned) and can send back its traceback when it fails;
-a worker idling inside a collective would time out or keep a GPU spinning.
+The pipes to the workers carry their life-cycle ("started", "ready"), their tracebacks
+when they fail, and pipeline timelines when asked for; never a step. Between steps a
+worker waits in the header broadcast of a gloo group with no practical timeout: a blocked
+socket read, costing nothing however long a server idles, and failing at once if rank 0
+dies (as does a thread that watches rank 0's pid).
 
-Life of a worker: spawned -> "started" -> joins the process group (TCP rendezvous on a
-free loopback port) -> receives its weight shard (scatter_weights) -> "ready" -> runs
-"forward" and "swap" messages until "stop". Its KV cache mirrors rank 0's: each forward
-says how many blocks rank 0's cache has, and a worker (re)allocates when that changes
-(the start-up memory probe, then the engine's cache).
+Life of a worker: spawned -> "started" -> joins the process groups (TCP rendezvous on a
+free loopback port) -> receives its weights (placement.distribute_weights) -> "ready" ->
+runs FORWARD and SWAP messages until STOP. Its KV cache mirrors rank 0's block for block:
+each FORWARD says how many blocks rank 0's cache has, and a worker (re)allocates when that
+changes (the start-up memory probe, then the engine's cache).
 """
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing.connection
 import os
-import pickle
 import socket
 import threading
 import time
@@ -35,18 +35,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from llmlab.cache.kv_cache import bytes_per_block
 from llmlab.config import EngineConfig, ModelConfig
-from llmlab.model.llama import ForwardBatch, LlamaModel
+from llmlab.engine import wire
+from llmlab.engine.pipeline import StageSpan, cuts_for, micro_batches, run_stage
+from llmlab.engine.placement import Groups, RankLayout, distribute_weights, join_groups, local_config, stage_layers
 from llmlab.engine.tp_worker import COLLECTIVE_TIMEOUT, rank_device, worker_main
-from llmlab.model.tensor_parallel import (TensorParallelGroup, TensorParallelShard, model_from_weights,
-                                          scatter_weights, shard_config)
+from llmlab.model.llama import ForwardBatch, LlamaModel
+from llmlab.model.tensor_parallel import TensorParallelGroup, TensorParallelShard, model_from_weights
 
-START_TIMEOUT_S = 300    # a worker's start: import torch, join the group, receive its weights
-# longest any rank may wait inside one collective; ranks only enter collectives together
-# (workers idle on their pipe, not in a collective), so only a hang or a first-time kernel
-# compile on one rank comes near it
-
-
+START_TIMEOUT_S = 300    # a worker's start: import torch, join the groups, receive its weights
+TIMELINE_TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()   # a worker's timeline comes after its step
 
 
 @dataclass
@@ -56,20 +55,22 @@ class Worker:
     pipe: multiprocessing.connection.Connection
 
 
-class TensorParallelExecutor:
+class ParallelExecutor:
     """Rank 0's side: starts the workers, hands out the weights, sends them every step."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
-        tp = config.tensor_parallel_size
-        self.local_config = shard_config(model_config, tp)   # a size that does not fit raises here
-        self.config, self.size, self.vocab_size = config, tp, model_config.vocab_size
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.layout = RankLayout(0, tp, pp, model_config.num_layers)
+        stage_layers(model_config.num_layers, pp)              # sizes that do not fit raise here,
+        self.local_config = local_config(model_config, self.layout)   # before any process starts
+        self.config, self.size, self.vocab_size = config, self.layout.world_size, model_config.vocab_size
         self.device = rank_device(config, 0)
-        if self.device.type == "cuda" and torch.cuda.device_count() < self.device.index + tp:
-            raise ValueError(f"tensor_parallel_size={tp} from {self.device} needs {self.device.index + tp} "
-                             f"GPUs; this machine has {torch.cuda.device_count()}")
+        if self.device.type == "cuda" and torch.cuda.device_count() < self.device.index + self.size:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} from {self.device} "
+                             f"needs {self.device.index + self.size} GPUs; this machine has {torch.cuda.device_count()}")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process (another "
-                               "tensor-parallel engine is running?); shut it down first with "
+                               "parallel engine is running?); shut it down first with "
                                "engine.executor.shutdown()")
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         # NVLink multicast (NVLS) stays off: these all-reduces are small and latency-bound,
@@ -77,27 +78,40 @@ class TensorParallelExecutor:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         self.failure: str | None = None       # why the executor stopped, once it has
         self.workers: list[Worker] = []
+        self.groups: Groups | None = None
+        # set record_timeline to collect a StageSpan per micro-batch and rank of every step
+        self.record_timeline = False
+        self.timeline: list[StageSpan] = []
+        self.steps_run = 0                    # forwards so far (the workers count them too)
         self._lock = threading.Lock()
+        # the same host block count as rank 0's (num_blocks_for): one block manager for all
+        dtype = config.resolved_dtype()
+        num_host_blocks = int(config.swap_space * 2**30) // bytes_per_block(self.local_config, config.block_size,
+                                                                             dtype)
         threads = torch.get_num_threads()
         if self.backend == "gloo":
             # CPU ranks share the cores: one thread each, as the workers have. More, and every
             # collective waits for ranks descheduled by rank 0's spinning threads (~10x slower).
             torch.set_num_threads(1)
-        # shutdown(), garbage collection and interpreter exit all end up here, once
-        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, threads)
+        # shutdown(), garbage collection and interpreter exit all end up here, once; `state`
+        # tells it whether the workers can still be asked to stop
+        self._state = {"groups": None, "failed": False}
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, threads, self._state)
         port = _free_port()
         context = mp.get_context("spawn")     # fork would copy CUDA state and the engine's threads
         try:
-            for rank in range(1, tp):
+            for rank in range(1, self.size):
                 ours, theirs = context.Pipe()
-                process = context.Process(target=worker_main, name=f"llmlab-tp-rank{rank}", daemon=True,
-                                          args=(rank, port, config, model_config, theirs, os.getpid()))
+                process = context.Process(target=worker_main, name=f"llmlab-rank{rank}", daemon=True,
+                                          args=(rank, port, config, model_config, theirs, os.getpid(),
+                                                num_host_blocks))
                 process.start()
                 theirs.close()
                 self.workers.append(Worker(rank, process, ours))
             self._wait_for("started")
             dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                    world_size=tp, timeout=COLLECTIVE_TIMEOUT)
+                                    world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+            self.groups = self._state["groups"] = join_groups(self.layout)
         except BaseException:
             self._abandon()
             raise
@@ -106,44 +120,54 @@ class TensorParallelExecutor:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def distribute(self, model: LlamaModel) -> "TensorParallelModel":
-        """Give every worker its shard of `model` (held by rank 0 only); returns rank 0's
-        shard, on rank 0's device. The full model is not needed afterwards."""
+    def distribute(self, model: LlamaModel) -> "ParallelModel":
+        """Give every worker its weights of `model` (held by rank 0 only); returns rank 0's
+        part, on rank 0's device. The full model is not needed afterwards."""
         try:
-            weights = scatter_weights(model, 0, self.size, self.device)
+            weights = distribute_weights(model, self.layout, self.device)
         except BaseException as err:
             self._fail(err)
         self._wait_for("ready")
-        shard = model_from_weights(TensorParallelModel, self.local_config, weights)
-        shard.tp_group = TensorParallelGroup(0, self.size, self.vocab_size)
-        shard.executor = self
+        part = model_from_weights(ParallelModel, self.local_config, weights)
+        part.tp_group = TensorParallelGroup(0, self.layout.tp, self.vocab_size, self.groups.tensor_parallel)
+        part.executor = self
         sentinels = [w.process.sentinel for w in self.workers]
         threading.Thread(target=_watch_workers, args=(weakref.ref(self), sentinels),
-                         name="llmlab-tp-watch", daemon=True).start()
-        return shard
+                         name="llmlab-parallel-watch", daemon=True).start()
+        return part
 
     # ---- every step ------------------------------------------------------------------------
-    def send_forward(self, input_ids, positions, batch: ForwardBatch, num_blocks: int) -> None:
-        """Tell the workers to run this forward on a KV cache of `num_blocks` blocks."""
-        fields = {f.name: _to_wire(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
-        self._send(("forward", _to_wire(input_ids), _to_wire(positions), fields, num_blocks))
+    def send_forward(self, input_ids, positions, batch: ForwardBatch, cuts, num_blocks: int) -> None:
+        """Tell the workers to run this forward, cut at `cuts`, on a KV cache of `num_blocks` blocks."""
+        self._send(wire.send_forward, input_ids, positions, batch, cuts, num_blocks, self.record_timeline)
 
     def swap(self, swap_out_copies, swap_in_copies) -> None:
-        """Repeat rank 0's swap copies on the workers' KV caches (each holds its own heads)."""
+        """Repeat rank 0's swap copies on the workers' KV caches (each holds its own heads
+        and layers of the same blocks)."""
         if swap_out_copies or swap_in_copies:
-            self._send(("swap", list(swap_out_copies), list(swap_in_copies)))
+            self._send(wire.send_swap, swap_out_copies, swap_in_copies)
 
-    def _send(self, message) -> None:
+    def _send(self, send, *args) -> None:
         if self.failure is not None:          # seen by the watcher since the last step
             self._fail(RuntimeError(self.failure))
         if self.closed:
-            raise RuntimeError("this tensor-parallel engine was shut down")
-        data = pickle.dumps(message)          # pickled once, sent to every worker
+            raise RuntimeError("this parallel engine was shut down")
         try:
-            for worker in self.workers:
-                worker.pipe.send_bytes(data)
-        except OSError as err:                # a worker is gone
+            send(self.groups, *args)
+        except BaseException as err:          # a worker is gone
             self._fail(err)
+
+    def collect_timeline(self, spans: list[StageSpan]) -> None:
+        """Rank 0's spans of this step and every worker's (each sends them after its step)."""
+        for worker in self.workers:
+            ready = multiprocessing.connection.wait([worker.pipe, worker.process.sentinel], TIMELINE_TIMEOUT_S)
+            if worker.pipe not in ready:
+                raise RuntimeError(f"worker {worker.rank} sent no timeline within {TIMELINE_TIMEOUT_S}s")
+            message = worker.pipe.recv()
+            if message[0] != "timeline":
+                raise RuntimeError(f"worker {worker.rank} failed:\n{message[1]}")
+            spans += message[1]
+        self.timeline += sorted(spans, key=lambda span: (span.rank, span.micro_batch))
 
     def wait_for_step(self, logits: torch.Tensor) -> None:
         """On GPUs the collectives run asynchronously: wait for this step here, so that a
@@ -160,7 +184,8 @@ class TensorParallelExecutor:
 
     def _abandon(self) -> None:
         """Shut down after a failure: workers may be stuck in a collective or a rendezvous
-        that will never complete, so they get no polite "stop"."""
+        that will never complete, so they get no polite STOP."""
+        self._state["failed"] = True
         for worker in self.workers:
             worker.process.kill()
         self.shutdown()
@@ -170,7 +195,7 @@ class TensorParallelExecutor:
         whether a worker failed (its traceback is the real error), stop everything, raise."""
         wait_s = 0.0 if isinstance(err, KeyboardInterrupt) else 5.0
         message = self._worker_failure(wait_s)
-        self.failure = message or f"the tensor-parallel engine stopped after an error on rank 0: {err!r}"
+        self.failure = message or f"the parallel engine stopped after an error on rank 0: {err!r}"
         self._abandon()
         if message is None:
             raise err
@@ -207,9 +232,9 @@ class TensorParallelExecutor:
                 except EOFError:
                     pass
             message = self._worker_failure(2.0) or (
-                f"tensor-parallel worker {worker.rank} was not {expected} within {START_TIMEOUT_S}s")
+                f"parallel worker {worker.rank} was not {expected} within {START_TIMEOUT_S}s")
             if expected == "started":
-                message += ("\n(workers are spawned: a script that starts a tensor-parallel engine "
+                message += ("\n(workers are spawned: a script that starts a parallel engine "
                             "needs the `if __name__ == \"__main__\":` guard, see the multiprocessing docs)")
             self._abandon()
             raise RuntimeError(message)
@@ -219,15 +244,15 @@ def _failure_of(worker: Worker) -> tuple[bool, float, str] | None:
     """(has a traceback, when, why) if `worker` has failed: its traceback, or how it ended."""
     for _ in range(2):    # once more after seeing it dead: its last message may have just arrived
         try:
-            if worker.pipe.poll():
+            while worker.pipe.poll():          # past any timeline it sent before failing
                 message = worker.pipe.recv()
                 if message[0] == "error":
-                    return True, message[2], f"tensor-parallel worker {worker.rank} failed:\n{message[1]}"
+                    return True, message[2], f"parallel worker {worker.rank} failed:\n{message[1]}"
         except (EOFError, OSError):
             pass
         if worker.process.is_alive():
             return None
-    return False, time.time(), (f"tensor-parallel worker {worker.rank} (pid {worker.process.pid}) died with "
+    return False, time.time(), (f"parallel worker {worker.rank} (pid {worker.process.pid}) died with "
                          f"exit code {worker.process.exitcode} and no traceback (killed, or out of memory?)")
 
 
@@ -246,11 +271,11 @@ def _watch_workers(executor_ref, sentinels) -> None:
             abort()
 
 
-def _stop_workers(workers: list[Worker], threads: int) -> None:
-    for worker in workers:
-        try:
-            worker.pipe.send(("stop",))
-        except (OSError, ValueError):
+def _stop_workers(workers: list[Worker], threads: int, state: dict) -> None:
+    if state["groups"] is not None and not state["failed"]:
+        try:                                   # they all wait for the next header
+            wire.send_stop(state["groups"])
+        except Exception:
             pass                               # already gone
     # leave the group together with the workers: NCCL's teardown in a worker can wait for
     # rank 0's, so joining them first would stall until the timeout below kills them
@@ -265,7 +290,7 @@ def _stop_workers(workers: list[Worker], threads: int) -> None:
             worker.process.kill()
             worker.process.join(timeout=5)
         worker.pipe.close()
-    torch.set_num_threads(threads)             # rank 0's own, as before tensor parallelism
+    torch.set_num_threads(threads)             # rank 0's own, as before the workers started
 
 
 def _free_port() -> int:
@@ -274,24 +299,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _to_wire(value):
-    """Tensors travel as numpy arrays: plain pickles, no shared-memory handles."""
-    return value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+class ParallelModel(TensorParallelShard):
+    """Rank 0's part of the model: stage 0's layers, tensor-parallel rank 0's shard of them.
+    Its forward is the whole model's: it sends the step to the workers, runs its own part
+    in step with theirs, and returns the whole logits (all-gathered, or received from the
+    last stage)."""
 
-
-
-
-class TensorParallelModel(TensorParallelShard):
-    """Rank 0's shard. Its forward is the whole model's: it sends the step to the workers,
-    then runs its own shard in step with theirs. Logits come back whole (all-gathered)."""
-
-    executor: TensorParallelExecutor
+    executor: ParallelExecutor
 
     def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache, kv_scales=None) -> torch.Tensor:
-        self.executor.send_forward(input_ids, positions, batch, kv_cache.shape[2])
-        try:   # kv_scales is None: EngineConfig allows no quantized cache with tensor parallelism
-            logits = super().forward(input_ids, positions, batch, kv_cache, kv_scales)
+        executor, layout = self.executor, self.executor.layout
+        cuts = cuts_for(input_ids, batch, layout.pp)
+        executor.send_forward(input_ids, positions, batch, cuts, kv_cache.shape[2])
+        spans = [] if executor.record_timeline else None
+        try:   # kv_scales is None: EngineConfig allows no quantized cache with parallelism
+            logits = run_stage(self, layout, micro_batches(input_ids, positions, batch, cuts), kv_cache,
+                               kv_scales, spans, executor.steps_run)
+            executor.steps_run += 1
+            if spans is not None:
+                executor.collect_timeline(spans)
         except BaseException as err:
-            self.executor._fail(err)
-        self.executor.wait_for_step(logits)
+            executor._fail(err)
+        executor.wait_for_step(logits)
         return logits

@@ -34,7 +34,7 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     from llmlab.model.loader import iter_weights, load_config, resolve_model
 
     folder = resolve_model(config.model)
-    load_device = device if config.tensor_parallel_size == 1 else torch.device("cpu")
+    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
     return LlamaModel.from_state_dict(load_config(folder), iter_weights(folder), dtype, load_device), folder
 
 
@@ -62,10 +62,10 @@ class ModelRunner:
         # tensor parallelism (llmlab.engine.distributed): this process is rank 0 and keeps one
         # shard; its forward also runs the shards of tensor_parallel_size - 1 workers
         self.executor = None
-        if config.tensor_parallel_size > 1:
-            from llmlab.engine.distributed import TensorParallelExecutor
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            from llmlab.engine.distributed import ParallelExecutor
 
-            self.executor = TensorParallelExecutor(config, model.config)   # starts the workers
+            self.executor = ParallelExecutor(config, model.config)   # starts the workers
             model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
         if self.device.type == "cpu":
             dense.prepack(model.matrices())   # oneDNN's blocked weight layout, made once

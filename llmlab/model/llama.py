@@ -72,10 +72,16 @@ class LlamaModel:
         """input_ids, positions [T]; kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D];
         kv_scales [num_layers, 2, num_blocks, block_size, Hkv] for an int8/fp8 cache, else None.
         Returns logits [S, vocab] (float32) for each sequence's last token."""
-        cfg, b = self.config, batch.backend
         hidden = self.embedding(input_ids)
         self._tap("embed", hidden)
-        residual = None
+        hidden, residual = self.decoder_layers(hidden, None, positions, batch, kv_cache, kv_scales)
+        return self.final_logits(hidden, residual, batch)
+
+    def decoder_layers(self, hidden, residual, positions, batch: ForwardBatch, kv_cache, kv_scales=None):
+        """Every layer of this model over the batch: (hidden, residual) in and out, residual
+        None before the first layer. A pipeline stage (engine/pipeline.py) is a model of
+        a few layers, and passes this pair on to the next stage."""
+        cfg, b = self.config, batch.backend
         for i, layer in enumerate(self.layers):
             if residual is None:
                 x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, backend=b), hidden
@@ -87,9 +93,14 @@ class LlamaModel:
             x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
             hidden = self.mlp(layer, x, b)
             self._tap(f"layers.{i}.mlp", hidden)
-        # only the last token of each sequence needs the final norm and the vocab projection
+        return hidden, residual
+
+    def final_logits(self, hidden, residual, batch: ForwardBatch) -> torch.Tensor:
+        """Only the last token of each sequence that samples needs the final norm and the
+        vocab projection: logits [S, vocab], float32."""
         idx = batch.logits_indices
-        last, _ = kernels.rms_norm(hidden[idx], self.norm, cfg.rms_norm_eps, residual[idx], backend=b)
+        last, _ = kernels.rms_norm(hidden[idx], self.norm, self.config.rms_norm_eps, residual[idx],
+                                   backend=batch.backend)
         self._tap("norm", last)
         logits = self.logits(last).float()
         self._tap("logits", logits)
@@ -110,15 +121,17 @@ class LlamaModel:
         cfg, b = self.config, batch.backend
         num_tokens, heads, kv_heads, head_dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(x, layer.qkv, layer.qkv_bias)
+        # q, k and v are strided views of qkv, not copies: the kernels take any token stride
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = q.reshape(num_tokens, heads, head_dim)
-        k = k.reshape(num_tokens, kv_heads, head_dim)
-        v = v.reshape(num_tokens, kv_heads, head_dim).contiguous()
+        q = q.view(num_tokens, heads, head_dim)
+        k = k.view(num_tokens, kv_heads, head_dim)
+        v = v.view(num_tokens, kv_heads, head_dim)
         self._tap(f"layers.{i}.q", q)
         self._tap(f"layers.{i}.k", k)
         self._tap(f"layers.{i}.v", v)
-        q, k = kernels.rope(q, k, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)
-        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scales, v_scales, backend=b)
+        # rope, then store_kv of the rotated keys and the values: one kernel on a GPU
+        q = kernels.rope_store_kv(q, k, v, positions, cfg.rope_theta, cfg.rope_scaling, k_cache, v_cache,
+                                  batch.slot_mapping, k_scales, v_scales, backend=b)
         p = batch.num_prefill_tokens
         parts = []
         if p > 0:
@@ -214,10 +227,12 @@ class LlamaModel:
 
     def matrices(self) -> list[torch.Tensor]:
         """The weights that go through `dense.linear`, in forward order."""
-        return [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [self.lm_head]
+        # a pipeline stage without the last layers has no lm_head (None)
+        return [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + (
+            [] if self.lm_head is None else [self.lm_head])
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() for t in tensors)
+            tensors += list(vars(layer).values())
+        return sum(t.numel() for t in tensors if t is not None)   # a pipeline stage lacks some

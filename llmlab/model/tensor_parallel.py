@@ -19,8 +19,9 @@ A shard is a TensorParallelShard: a LlamaModel of a smaller config (`shard_confi
 embedding, attention, MLP and logits are the model's own followed by a collective of its
 TensorParallelGroup. Parallelism wraps the forward's parts from outside (as gpt-fast's
 tp.py hooks its modules); LlamaModel.forward itself has none. The communication goes
-through torch.distributed (NCCL on GPUs, gloo on CPU); the process group is set up by
-llmlab.engine.distributed.
+through torch.distributed (NCCL on GPUs, gloo on CPU); the process groups are set up by
+llmlab.engine.distributed, and the weights handed out by llmlab.engine.placement (which
+also cuts the layers into pipeline stages).
 """
 from __future__ import annotations
 
@@ -128,29 +129,9 @@ def model_from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor
     layers = [LayerWeights(**{f.name: weights.get(f"layers.{i}.{f.name}")
                               for f in dataclasses.fields(LayerWeights)})
               for i in range(config.num_layers)]
-    return cls(config, weights["embed"], layers, weights["norm"],
-               weights.get("lm_head", weights["embed"]))
-
-
-def scatter_weights(model: LlamaModel | None, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
-    """Collective: rank 0, the only rank holding the full `model`, gives every rank its
-    shard of each weight, one weight at a time (so rank 0's device never holds more than
-    one full weight beyond its own shard). Returns this rank's shard, on `device`."""
-    items = iter(named_weights(model).items()) if rank == 0 else None
-    shard = {}
-    while True:
-        parts, header = None, [None, None, None]
-        if rank == 0:
-            name, full = next(items, (None, None))
-            if name is not None:
-                parts = [shard_weight(name, full, model.config, r, tp).to(device) for r in range(tp)]
-                header = [name, tuple(parts[0].shape), str(parts[0].dtype).removeprefix("torch.")]
-        dist.broadcast_object_list(header, src=0, device=device)   # every shard has one shape
-        name, shape, dtype = header
-        if name is None:
-            return shard
-        shard[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.scatter(shard[name], parts, src=0)
+    # a pipeline stage lacks the embedding, the final norm or the lm_head (None)
+    embed = weights.get("embed")
+    return cls(config, embed, layers, weights.get("norm"), weights.get("lm_head", embed))
 
 
 # ---- the communication around the forward's parts -------------------------------------------
@@ -158,8 +139,10 @@ def scatter_weights(model: LlamaModel | None, rank: int, tp: int, device) -> dic
 class TensorParallelGroup:
     """What a shard calls to talk to the other ranks (`TensorParallelShard.tp_group`)."""
 
-    def __init__(self, rank: int, size: int, vocab_size: int):
-        self.rank, self.size, self.vocab_size = rank, size, vocab_size
+    def __init__(self, rank: int, size: int, vocab_size: int, group=None):
+        # group: the process group of this stage's tp ranks (None = the whole world). A
+        # group of one (pipeline parallelism alone) needs no collective at all.
+        self.rank, self.size, self.vocab_size, self.group = rank, size, vocab_size, group
         self.vocab_rows = padded_vocab_size(vocab_size, size) // size   # embedding rows per rank
         self.vocab_start = rank * self.vocab_rows
 
@@ -174,13 +157,16 @@ class TensorParallelGroup:
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of the ranks' partial outputs of a row-parallel projection (in place)."""
-        dist.all_reduce(partial)
+        if self.size > 1:
+            dist.all_reduce(partial, group=self.group)
         return partial
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[S, V / tp] vocab slices of every rank -> [S, vocab] (padding cut off)."""
+        if self.size == 1:
+            return logits[:, :self.vocab_size]
         parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous())
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
 
