@@ -106,6 +106,56 @@ def test_backends_pick_the_reference_tokens(backend, vocab, dtype):
     assert torch.equal(kernels.sample(*args, backend=backend), expected)
 
 
+def rejection_batch(seed, num_rows=16, vocab=2000):
+    """Rows without top-k, flat and peaked, with small and usual top-p and some min-p: the
+    rows the Triton sampler draws by rejection rounds (a flat row with top_p 0.2 rejects its
+    first candidates often)."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.tensor([0.3, 3.0])[torch.arange(num_rows) % 2]
+    logits = torch.randn(num_rows, vocab, generator=gen) * spread[:, None]
+    temperature = torch.rand(num_rows, generator=gen) + 0.3
+    top_k = torch.full((num_rows,), -1, dtype=torch.int32)
+    top_p = torch.tensor([0.2, 0.9, 0.5, 1.0])[torch.arange(num_rows) % 4]
+    min_p = torch.where(torch.arange(num_rows) % 3 == 0, 0.05, 0.0)
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=gen)
+    positions = torch.randint(0, 5000, (num_rows,), generator=gen)
+    return logits, temperature, top_k, top_p, min_p, seeds, positions
+
+
+def triton_sample_module():
+    kernels.get_kernel("sample", "triton")      # imports it the way the engine does (interpreter on a CPU)
+    import llmlab.kernels.triton_sample
+    return llmlab.kernels.triton_sample
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 3, 6])
+def test_triton_rejection_rounds_and_the_radix_fallback_agree(rounds, monkeypatch):
+    """However many rejection checks run before the radix passes take over (0: radix only),
+    every row gets the reference's token."""
+    triton_sample = triton_sample_module()
+    monkeypatch.setattr(triton_sample, "ROUNDS", rounds)
+    args = rejection_batch(seed=rounds)
+    assert torch.equal(kernels.sample(*args, backend="triton"), reference.sample(*args))
+
+
+def test_triton_rejection_rounds_settle_rows_on_their_own(monkeypatch):
+    """With the radix passes broken, rows settled by the rounds still get the reference's
+    token: the rounds do the work (the radix passes are only the fallback)."""
+    triton_sample = triton_sample_module()
+
+    class Broken:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(triton_sample, "ROUNDS", 12)
+    for name in ("_level_kernel", "_top_k_mass_kernel", "_race_kernel"):
+        monkeypatch.setattr(triton_sample, name, Broken())
+    logits, temperature, top_k, top_p, min_p, seeds, positions = rejection_batch(seed=9)
+    top_p = top_p.clamp(min=0.5)        # rows a dozen checks settle for sure
+    args = (logits, temperature, top_k, top_p, min_p, seeds, positions)
+    assert torch.equal(kernels.sample(*args, backend="triton"), reference.sample(*args))
+
+
 def test_flat_rows_and_a_deep_top_k():
     """Rows whose cut lies deep in the vocabulary (flat logits, top_k in the thousands) take
     the torch backend's wider candidate sets and its full-sort fallback."""

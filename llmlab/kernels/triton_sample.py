@@ -2,39 +2,54 @@
 whole batch, with no sort (kernels_explained/sampling.md).
 
 Each row is split into P chunks, one program each, so that even one row keeps many SMs
-busy (a row is 128k logits; one program streaming it alone waits on memory latency). The
-cuts are found by radix select on the logits' bits: a float maps to an integer key whose
-order is the float order (16 bits for bf16/fp16 logits, 32 for fp32), and each pass fixes
-4 more bits of the cut from a 16-bucket histogram of the tokens that share the bits fixed
-so far, weighted by 1 (top-k) or by probability (top-p). A pass is one launch: every
-program of a row first sums the P partial histograms of the previous pass and takes the
-same decision, so no program waits on another. The last pass adds counter-based Gumbel
-noise to the kept tokens; the best of the P chunks wins. Same tokens as `reference.sample`
+busy (a row is 128k logits; one program streaming it alone waits on memory latency). A
+pass over the logits is one launch; programs of a row never wait on each other: each pass
+first reduces the P partials the previous pass left, and every program of the row takes
+the same decision from them.
+
+Rows without top-k (the usual chat settings) are drawn by rejection rounds:
+1. one pass: the row's softmax partials (max, normalizer) and the Gumbel race over ALL
+   tokens, which draws from the unfiltered softmax;
+2. the winner w is the answer if it would survive the filters: top-p keeps it iff the mass
+   of tokens above it is < top_p (`_mass_above_kernel` sums it), min-p iff its logit is at
+   least max + log(min_p). Every kept token lies above a rejected winner, so the race run
+   again over the tokens above w, with the same noise, finds the next candidate; the first
+   accepted one is the race's winner over the kept set: exactly `reference.sample`'s token.
+   A row is accepted at the first check with probability of about the kept mass (0.9 for
+   top_p 0.9), so two or three passes settle nearly every row.
+Rows with top-k, and rows that the rounds leave unsettled, take the radix-select passes of
+`triton_sample_radix.py` (cuts found on the logits' bits). Same tokens as `reference.sample`
 up to float rounding in the sums.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .reference import GUMBEL_SPAN
-from .triton_sample_radix import _level_kernel, _race_kernel, _top_k_mass_kernel
+from .triton_sample_radix import (_gumbel, _key, _level_kernel, _race_kernel, _row_key, _row_stats,
+                                  _top_k_mass_kernel)
 
-import os
-
-# The [BLOCK, 16] histogram lanes are BLOCK * 16 / (32 * NUM_WARPS) registers a thread: small
-# enough that several programs share an SM (occupancy hides memory latency). Tunable for
-# measurements (llmlab bench sampler) through the environment.
+# Tunable for measurements (llmlab bench sampler) through the environment. The radix passes'
+# [BLOCK, 16] histogram lanes are BLOCK * 16 / (32 * NUM_WARPS) registers a thread.
 BLOCK = int(os.environ.get("LLMLAB_SAMPLE_BLOCK", 512))
 NUM_WARPS = int(os.environ.get("LLMLAB_SAMPLE_WARPS", 8))
 TARGET_PROGRAMS = int(os.environ.get("LLMLAB_SAMPLE_PROGRAMS", 512))   # chunks per row = this / rows
+ROUNDS = int(os.environ.get("LLMLAB_SAMPLE_ROUNDS", 3))   # rejection checks before the radix fallback
 MAX_CHUNKS = 128            # chunk partials a program reads: one fixed size, one compiled variant
 _workspace: dict = {}       # device -> a byte buffer the per-call scratch tensors are cut from
+_views: dict = {}           # (device, layout) -> the views of that buffer
 
 
 def _scratch(device, shapes_dtypes):
     """Views of one cached buffer (no allocations per call), each 256-byte aligned."""
+    cache_key = (device, tuple(shapes_dtypes))
+    views = _views.get(cache_key)
+    if views is not None and views[0] is _workspace.get(device):
+        return views[1]
     sizes = [(-(-torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() // 256)) * 256
              for shape, dtype in shapes_dtypes]
     buffer = _workspace.get(device)
@@ -45,17 +60,59 @@ def _scratch(device, shapes_dtypes):
         count = torch.Size(shape).numel()
         views.append(buffer[offset:offset + size].view(dtype)[:count].view(shape))
         offset += size
+    if len(_views) > 1024:
+        _views.clear()
+    _views[cache_key] = (buffer, views)
     return views
 
 
-@triton.jit(do_not_specialize=["V", "CH", "P"])
-def _stats_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, V, CH, P, BLOCK: tl.constexpr):
+@triton.jit
+def _no_top_k(top_k, V):
+    return (top_k <= 0) | (top_k >= V)
+
+
+@triton.jit
+def _candidate(best_ptr, token_ptr, row, P, V, P_BLOCK: tl.constexpr):
+    # the race's winner over the row's P chunk partials (the first chunk on a tie)
+    cs = tl.arange(0, P_BLOCK)
+    best = tl.load(best_ptr + row * P + cs, mask=cs < P, other=float("-inf"))
+    token = tl.load(token_ptr + row * P + cs, mask=cs < P, other=V)
+    return tl.min(tl.where(best == tl.max(best, axis=0), token, V), axis=0)
+
+
+@triton.jit
+def _race_above(logits_ptr, t, key, start_at, stop_at, floor_key, V,
+                KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    # the Gumbel race over this chunk's tokens whose key is above floor_key: (score, token)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_token = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(start_at, stop_at, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        raw = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
+        above = (offs < V) & (_key(raw, KEY_BITS) > floor_key)
+        score = tl.where(above, raw.to(tl.float32) * (1.0 / t) + _gumbel(key, offs), float("-inf"))
+        better = score > best       # per lane, so the earlier token wins a tie
+        best_token = tl.where(better, offs, best_token)
+        best = tl.where(better, score, best)
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where(best == top, best_token, V), axis=0)
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P", "S"])
+def _first_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best_ptr, token_ptr,
+                  V, CH, P, S, BLOCK: tl.constexpr):
+    """Chunk c's softmax partials (max, sum of exp) and, for rows without top-k, the race
+    over all its tokens (the first candidate)."""
     row, c = tl.program_id(0), tl.program_id(1)
     t = tl.load(floats_ptr + row * 4)
     if t > 0:
+        race = _no_top_k(tl.load(floats_ptr + row * 4 + 3), V)
+        key = _row_key(ints_ptr, row, S)
         logits_ptr += row.to(tl.int64) * stride_row
         m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
         z_lane = tl.zeros([BLOCK], dtype=tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_token = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * (1.0 / t)
@@ -63,10 +120,72 @@ def _stats_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, V, CH, P, BLOCK
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             z_lane = z_lane * tl.exp(m_lane - safe) + tl.exp(x - safe)
             m_lane = m_new
+            if race:
+                score = x + _gumbel(key, offs)     # -inf past the end of the row
+                better = score > best
+                best_token = tl.where(better, offs, best_token)
+                best = tl.where(better, score, best)
         m = tl.max(m_lane, axis=0)
         z = tl.sum(tl.where(m_lane == float("-inf"), 0.0, z_lane * tl.exp(m_lane - m)), axis=0)
         tl.store(stats_ptr + (row * P + c) * 2, m)
         tl.store(stats_ptr + (row * P + c) * 2 + 1, z)
+        if race:
+            top = tl.max(best, axis=0)
+            tl.store(best_ptr + row * P + c, top)
+            tl.store(token_ptr + row * P + c, tl.min(tl.where(best == top, best_token, V), axis=0))
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P", "S"])
+def _mass_above_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, best_ptr, token_ptr, done_ptr,
+                       mass_ptr, V, CH, P, S, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                       P_BLOCK: tl.constexpr):
+    """Chunk c's probability mass (unnormalized) of the tokens above the row's candidate."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(floats_ptr + row * 4)
+    top_p = tl.load(floats_ptr + row * 4 + 1)
+    if (t > 0) & (top_p < 1) & _no_top_k(tl.load(floats_ptr + row * 4 + 3), V) & (tl.load(done_ptr + row) == 0):
+        m, _ = _row_stats(stats_ptr, row, P, P_BLOCK)
+        logits_ptr += row.to(tl.int64) * stride_row
+        floor_key = _key(tl.load(logits_ptr + _candidate(best_ptr, token_ptr, row, P, V, P_BLOCK)), KEY_BITS)
+        lane = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            raw = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
+            above = (offs < V) & (_key(raw, KEY_BITS) > floor_key)
+            lane += tl.where(above, tl.exp(raw.to(tl.float32) * (1.0 / t) - m), 0.0)
+        tl.store(mass_ptr + row * P + c, tl.sum(lane, axis=0))
+
+
+@triton.jit(do_not_specialize=["V", "CH", "P", "S"])
+def _accept_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best_ptr, token_ptr,
+                   mass_ptr, done_ptr, final_ptr, next_best_ptr, next_token_ptr, V, CH, P, S,
+                   RACE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                   P_BLOCK: tl.constexpr):
+    """Accept the row's candidate if top-p and min-p keep it; else (RACE) run chunk c's race
+    over the tokens above it, for the next candidate."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(floats_ptr + row * 4)
+    top_p = tl.load(floats_ptr + row * 4 + 1)
+    min_p = tl.load(floats_ptr + row * 4 + 2)
+    if (t > 0) & _no_top_k(tl.load(floats_ptr + row * 4 + 3), V) & (tl.load(done_ptr + row) == 0):
+        m, z = _row_stats(stats_ptr, row, P, P_BLOCK)
+        logits_ptr += row.to(tl.int64) * stride_row
+        w = _candidate(best_ptr, token_ptr, row, P, V, P_BLOCK)
+        raw_w = tl.load(logits_ptr + w)
+        kept = raw_w.to(tl.float32) * (1.0 / t) >= m + tl.log(min_p)    # log(0) = -inf: no min-p
+        if top_p < 1:
+            cs = tl.arange(0, P_BLOCK)
+            mass = tl.sum(tl.load(mass_ptr + row * P + cs, mask=cs < P, other=0.0), axis=0)
+            kept = kept & (mass < top_p * z)
+        if kept:
+            if c == 0:
+                tl.store(done_ptr + row, 1)
+                tl.store(final_ptr + row, w.to(tl.int64))
+        elif RACE:
+            top, token = _race_above(logits_ptr, t, _row_key(ints_ptr, row, S), c * CH,
+                                     tl.minimum(c * CH + CH, V), _key(raw_w, KEY_BITS), V, KEY_BITS, BLOCK)
+            tl.store(next_best_ptr + row * P + c, top)
+            tl.store(next_token_ptr + row * P + c, token)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
@@ -80,8 +199,15 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     if logits.stride(-1) != 1 or logits.stride(0) % 8 or logits.storage_offset():
         logits = logits.contiguous().clone()   # own aligned storage: no new kernel variant
     k = top_k.float()
-    needs_top_k = bool(((k > 0) & (k < V) & (temperature > 0)).any()) if not top_k.is_cuda else True
-    needs_top_p = bool(((top_p < 1) & (temperature > 0)).any()) if not top_p.is_cuda else True
+    if top_k.is_cuda:
+        with_top_k = rounds_needed = any_top_p = True
+    else:
+        sampled = temperature > 0
+        k_on = (k > 0) & (k < V)
+        with_top_k = bool((k_on & sampled).any())
+        any_top_p = bool(((top_p < 1) & sampled).any())
+        # rows the first check cannot settle alone: top-p or min-p without top-k
+        rounds_needed = bool((sampled & ~k_on & ((top_p < 1) | (min_p > 0))).any())
     # two small host->device copies: [S, 4] floats (temperature, top_p, min_p, top_k), [2, S] ints
     floats = torch.stack([temperature.float(), top_p.float(), min_p.float(), k.to(temperature.device)], dim=1)
     ints = torch.stack([seeds.long(), positions.long().to(seeds.device)])
@@ -92,30 +218,41 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     P = max(1, min(triton.cdiv(V, BLOCK), TARGET_PROGRAMS // S, MAX_CHUNKS))
     CH = triton.cdiv(triton.cdiv(V, P), BLOCK) * BLOCK       # chunk length, a multiple of BLOCK
     P = triton.cdiv(V, CH)
+    rounds = max(ROUNDS, 1) if rounds_needed else 1           # temperature alone: one check accepts
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, floor, zk, best,
+     best_token) = _scratch(device, [
+        ((S, P, 2), f32), ((rounds + 1, S, P), f32), ((rounds + 1, S, P), i32), ((S, P), f32), ((3, S), i64),
+        ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32), ((S,), i64), ((S, P), f32),
+        ((S, P), f32), ((S, P), i32)])
+    done_final.zero_()
+    done, final, floor = done_final[0], done_final[1], done_final[2]
     # sizes vary with the batch, so none of them is a compile-time constant (no recompiles mid-run)
-    P_BLOCK = MAX_CHUNKS
-    f32, i64 = torch.float32, torch.int64
-    stats, hist, state_prefix, state_above, floor, zk, best, best_token = _scratch(device, [
-        ((S, P, 2), f32), ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32),
-        ((S,), i64), ((S, P), f32), ((S, P), f32), ((S, P), torch.int32)])
-    floor.zero_()
     grid = (S, P)
     meta = dict(BLOCK=BLOCK, num_warps=NUM_WARPS)
-    _stats_kernel[grid](logits, logits.stride(0), floats, stats, V, CH, P, **meta)
-    for use_mass, needed in ((False, needs_top_k), (True, needs_top_p)):
+    common = (logits, logits.stride(0), floats)
+    radix = dict(KEY_BITS=key_bits, P_BLOCK=MAX_CHUNKS, **meta)
+    _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], V, CH, P, S, **meta)
+    for r in range(rounds if ROUNDS > 0 else 0):
+        if any_top_p:
+            _mass_above_kernel[grid](*common, stats, cand_best[r], cand_token[r], done, mass, V, CH, P, S, **radix)
+        _accept_kernel[grid](*common, ints, stats, cand_best[r], cand_token[r], mass, done, final,
+                             cand_best[r + 1], cand_token[r + 1], V, CH, P, S, RACE=r + 1 < rounds, **radix)
+    # the radix passes, for rows with top-k and for rows the rounds left unsettled (each pass
+    # skips settled rows at once)
+    if not (with_top_k or rounds_needed or ROUNDS <= 0):
+        return torch.where(floats[:, 0] > 0, final, tokens)
+    for use_mass, needed in ((False, with_top_k), (True, any_top_p)):
         if not needed:
             continue
         for level in range(levels):
-            _level_kernel[grid](logits, logits.stride(0), floats, stats, hist[max(level - 1, 0)], hist[level],
-                                state_prefix, state_above, floor, zk, V, CH, P, S, level,
-                                USE_MASS=use_mass, KEY_BITS=key_bits, P_BLOCK=P_BLOCK, **meta)
+            _level_kernel[grid](*common, stats, hist[max(level - 1, 0)], hist[level], state_prefix, state_above,
+                                floor, zk, done, V, CH, P, S, level, USE_MASS=use_mass, **radix)
         if not use_mass:
-            _top_k_mass_kernel[grid](logits, logits.stride(0), floats, stats, hist[levels - 1], state_prefix,
-                                     state_above, floor, zk, V, CH, P, S, KEY_BITS=key_bits, P_BLOCK=P_BLOCK,
-                                     **meta)
-    _race_kernel[grid](logits, logits.stride(0), floats, ints, stats, hist[levels - 1], state_prefix,
-                       state_above, floor, zk, best, best_token, V, CH, P, S, GUMBEL_SPAN=GUMBEL_SPAN,
-                       KEY_BITS=key_bits, P_BLOCK=P_BLOCK, **meta)
+            _top_k_mass_kernel[grid](*common, stats, hist[levels - 1], state_prefix, state_above, floor, zk,
+                                     V, CH, P, S, **radix)
+    _race_kernel[grid](*common, ints, stats, hist[levels - 1], state_prefix, state_above, floor, zk, done,
+                       best, best_token, V, CH, P, S, GUMBEL_SPAN=GUMBEL_SPAN, **radix)
     winner = best.argmax(dim=1, keepdim=True)                 # the first chunk on a tie
-    sampled = best_token.gather(1, winner)[:, 0].long()
+    sampled = torch.where(done.bool(), final, best_token.gather(1, winner)[:, 0].long())
     return torch.where(floats[:, 0] > 0, sampled, tokens)

@@ -24,6 +24,25 @@ def _mix32(x):
 
 
 @triton.jit
+def _row_key(ints_ptr, row, S):
+    # the row's noise key from (seed, output position): reference.row_keys
+    seed = tl.load(ints_ptr + row)
+    position = tl.load(ints_ptr + S + row)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = _mix32(lo ^ _mix32(hi ^ 0x632BE5AB))
+    return _mix32(key ^ _mix32((position & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B))
+
+
+@triton.jit
+def _gumbel(key, offs):
+    # Gumbel noise of tokens offs: reference.gumbel_noise
+    h = _mix32(key + offs.to(tl.uint32) * 0x9E3779B1)
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2**-23
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _key(raw, KEY_BITS: tl.constexpr):
     # a logit (bf16/fp16: 16-bit key, fp32: 32-bit) -> int64 key in the same order
     # 16-bit keys stay in int32: 64-bit integer ops take several instructions each, and the
@@ -71,7 +90,7 @@ def _decide(hist_ptr, row, P, prefix, above, target, shift, P_BLOCK: tl.constexp
 
 @triton.jit(do_not_specialize=["V", "CH", "P", "S", "level"])
 def _level_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, hist_prev_ptr, hist_ptr,
-                  state_prefix_ptr, state_above_ptr, floor_ptr, zk_ptr, V, CH, P, S, level,
+                  state_prefix_ptr, state_above_ptr, floor_ptr, zk_ptr, done_ptr, V, CH, P, S, level,
                   USE_MASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
                   P_BLOCK: tl.constexpr):
     """One radix pass of top-k (USE_MASS False) or top-p (True) for chunk c of a row."""
@@ -83,7 +102,7 @@ def _level_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, hist_prev_ptr, 
         active = (t > 0) & (top_p < 1)
     else:
         active = (t > 0) & (top_k > 0) & (top_k < V)
-    if active:
+    if active & (tl.load(done_ptr + row) == 0):      # rows the rejection rounds settled are done
         m, z = _row_stats(stats_ptr, row, P, P_BLOCK)
         floor_key = _as_key(tl.zeros([], dtype=tl.int64), KEY_BITS)
         if USE_MASS:
@@ -160,13 +179,13 @@ def _top_k_mass_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, hist_ptr, 
 
 @triton.jit(do_not_specialize=["V", "CH", "P", "S"])
 def _race_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, hist_ptr,
-                 state_prefix_ptr, state_above_ptr, floor_ptr, zk_ptr, best_ptr, token_ptr,
+                 state_prefix_ptr, state_above_ptr, floor_ptr, zk_ptr, done_ptr, best_ptr, token_ptr,
                  V, CH, P, S, GUMBEL_SPAN: tl.constexpr, KEY_BITS: tl.constexpr,
                  BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
     """The Gumbel-max race over the kept tokens of chunk c; noise keyed on (seed, position, token)."""
     row, c = tl.program_id(0), tl.program_id(1)
     t = tl.load(floats_ptr + row * 4)
-    if t > 0:
+    if (t > 0) & (tl.load(done_ptr + row) == 0):
         top_p = tl.load(floats_ptr + row * 4 + 1)
         min_p = tl.load(floats_ptr + row * 4 + 2)
         top_k = tl.load(floats_ptr + row * 4 + 3)
@@ -179,12 +198,7 @@ def _race_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, hist_p
             floor_key = _cut_key(hist_ptr, state_prefix_ptr, state_above_ptr, row, P, S, top_p * z,
                                  KEY_BITS, P_BLOCK)
         cut = tl.maximum(m - GUMBEL_SPAN, m + tl.log(min_p))   # log(0) = -inf: no min-p
-        seed = tl.load(ints_ptr + row)
-        position = tl.load(ints_ptr + S + row)
-        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        key = _mix32(lo ^ _mix32(hi ^ 0x632BE5AB))
-        key = _mix32(key ^ _mix32((position & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B))
+        key = _row_key(ints_ptr, row, S)
         logits_ptr += row.to(tl.int64) * stride_row
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_token = tl.zeros([BLOCK], dtype=tl.int32)
@@ -192,10 +206,8 @@ def _race_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, hist_p
             offs = start + tl.arange(0, BLOCK)
             raw = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
             x = raw.to(tl.float32) * (1.0 / t)
-            h = _mix32(key + offs.to(tl.uint32) * 0x9E3779B1)
-            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2**-23
             kept = (offs < V) & (_key(raw, KEY_BITS) >= floor_key) & (x >= cut)
-            score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
+            score = tl.where(kept, x + _gumbel(key, offs), float("-inf"))
             better = score > best       # per lane, so the earlier token wins a tie
             best_token = tl.where(better, offs, best_token)
             best = tl.where(better, score, best)
