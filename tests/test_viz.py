@@ -407,7 +407,7 @@ def test_figures_of_the_embedded_model(llm):
     pool = viz.block_table(trace, trace.steps.index(shared[0])).data[0].z[0]
     assert all(pool[b] == 2.5 for b in shared[0].shared_blocks)
     names = list(viz.kernel_timings(trace).data[0].y)
-    assert {"rms_norm", "rope", "prefill_attention"} <= set(names)
+    assert {"rms_norm", "rope_store_kv", "prefill_attention"} <= set(names)
 
 
 # ---- widgets -------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ Triton kernels run through Triton's interpreter, which llmlab switches on by its
     out = kernels.rms_norm(x, w, 1e-5, backend="triton")  # force one
     with kernels.override(decode_attention=my_kernel):    # plug in your own (exercises)
         llm.generate(...)
+
+`rope_store_kv` is rope and store_kv fused into one kernel, one launch fewer per layer
+(the model calls it); while `rope` or `store_kv` is overridden it runs that pair instead,
+so a kernel plugged in for either still runs.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ import torch
 
 from . import reference, torch_backend
 
-KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "prefill_attention", "decode_attention",
-                "sample")
+KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "rope_store_kv", "prefill_attention",
+                "decode_attention", "sample")
 BACKENDS = ("reference", "torch", "triton")
 
 _default_backend: str | None = None
@@ -153,6 +157,18 @@ def _scales(k_scales, v_scales):
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None, *, backend=None):
     return _call("store_kv", backend, k, v, k_cache, v_cache, slot_mapping, *_scales(k_scales, v_scales))
+
+
+def rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
+                  k_scales=None, v_scales=None, *, backend=None):
+    if "rope_store_kv" not in _overrides and ("rope" in _overrides or "store_kv" in _overrides):
+        # someone plugged in their own rope or store_kv (an exercise, a spy): the fused kernel
+        # would bypass it, so run the pair, each through its override or its backend
+        q, k = rope(q, k, positions, theta, scaling, backend=backend)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, backend=backend)
+        return q
+    return _call("rope_store_kv", backend, q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
+                 k_scales, v_scales)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,

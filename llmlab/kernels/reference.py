@@ -152,6 +152,17 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None)
         scales.view(-1, scales.shape[2])[slots] = row_scales
 
 
+def rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
+                  k_scales=None, v_scales=None):
+    """rope, then store_kv of the rotated keys and the values: one step of the layer, one
+    kernel on a GPU (kernels_explained/rope_store_kv.md). Returns q rotated [T, H, D]; the
+    rotated keys exist only in the cache. q [T, H, D], k and v [T, Hkv, D], positions [T];
+    caches, slot_mapping and scales as in store_kv."""
+    q, k = rope(q, k, positions, theta, scaling)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    return q
+
+
 def gather_kv(cache, block_table, seq_len, scales=None):
     """The first seq_len cached rows of one sequence, in order: [seq_len, Hkv, D]
     (dequantized to float32 when the cache's scales are given)."""

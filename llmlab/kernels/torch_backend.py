@@ -81,6 +81,14 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None)
         scales.view(-1, scales.shape[2]).index_copy_(0, slots, row_scales)
 
 
+def rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
+                  k_scales=None, v_scales=None):
+    # On a CPU there is no launch to save: the pair, each half already lean
+    q, k = rope(q, k, positions, theta, scaling)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    return q
+
+
 def gather_blocks(cache, tables, scales, dtype):
     """cache[tables] as `dtype` ([len(tables), block_size, Hkv, D]), dequantized when the
     cache's scales are given."""

@@ -27,6 +27,27 @@ def _quantize_rows(x, QMAX: tl.constexpr, ROUND: tl.constexpr, QUANT_EPS: tl.con
 
 
 @triton.jit
+def _write_slot(x, cache_ptr, scales_ptr, block, offset,
+                stride_cache_block, stride_cache_slot, stride_cache_head,
+                stride_scale_block, stride_scale_slot, num_kv_heads,
+                BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                QUANTIZED: tl.constexpr, QMAX: tl.constexpr, ROUND: tl.constexpr, QUANT_EPS: tl.constexpr):
+    """Write one token's rows x [BLOCK_H, HEAD_DIM] (one per kv head; rows past num_kv_heads
+    are masked) at (block, offset) of a cache: for an int8/fp8 cache, their codes, and
+    each row's scale at the same (block, offset) of the scales [num_blocks, block_size, Hkv].
+    Shared with the fused rope + store kernel (triton_rope_store_kv.py)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_h < num_kv_heads
+    if QUANTIZED:
+        x, scale = _quantize_rows(x, QMAX, ROUND, QUANT_EPS)
+        tl.store(scales_ptr + block * stride_scale_block + offset * stride_scale_slot + offs_h, scale, mask=head_ok)
+    dst = cache_ptr + block * stride_cache_block + offset * stride_cache_slot
+    tl.store(dst + offs_h[:, None] * stride_cache_head + offs_d[None, :],
+             x.to(cache_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scales_ptr, v_scales_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -44,23 +65,15 @@ def _store_kv_kernel(
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
-    head_ok = offs_h < num_kv_heads
-    mask = head_ok[:, None]
+    mask = (offs_h < num_kv_heads)[:, None]
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    if QUANTIZED:
-        k, k_scale = _quantize_rows(k, QMAX, ROUND, QUANT_EPS)
-        v, v_scale = _quantize_rows(v, QMAX, ROUND, QUANT_EPS)
-        # the scales sit at the same (block, offset) as the rows: [num_blocks, block_size, Hkv]
-        scale_offs = block * stride_scale_block + offset * stride_scale_slot + offs_h
-        tl.store(k_scales_ptr + scale_offs, k_scale, mask=head_ok)
-        tl.store(v_scales_ptr + scale_offs, v_scale, mask=head_ok)
-    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
-    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
-    tl.store(k_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _write_slot(k, k_cache_ptr, k_scales_ptr, block, offset, stride_kc_block, stride_kc_slot, stride_kc_head,
+                stride_scale_block, stride_scale_slot, num_kv_heads, BLOCK_H, HEAD_DIM,
+                QUANTIZED, QMAX, ROUND, QUANT_EPS)
+    _write_slot(v, v_cache_ptr, v_scales_ptr, block, offset, stride_vc_block, stride_vc_slot, stride_vc_head,
+                stride_scale_block, stride_scale_slot, num_kv_heads, BLOCK_H, HEAD_DIM,
+                QUANTIZED, QMAX, ROUND, QUANT_EPS)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):

@@ -1,0 +1,245 @@
+"""Kernel launches per decode step: how many, which, and (on a GPU) the gaps between them.
+
+At batch 1 a decode step of an 8B model is ~300 small launches around the weight-streaming
+GEMMs, and each costs GPU time even inside a CUDA graph. This counts them two ways:
+
+- `count_launches(fn)`, on any device: runs fn() and records every kernel it launches:
+  each Triton launch, and each torch op that computes something (views, reshapes and
+  allocations launch nothing). On a CPU, with the Triton backend in the interpreter, this is
+  the launch sequence the same forward has on a GPU, except inside cuBLAS: a GEMM counts
+  as one launch, where cuBLAS may add a split-K reduction.
+- `profile_kernels(fn)`, on CUDA: the kernels the profiler saw, their busy time, and the
+  idle time between them (the launch gaps).
+
+    python -m llmlab.bench.launches --out results/launches            # Llama-3-8B shape, GPU
+    python -m llmlab.bench.launches --layers 2 --batch-sizes 1,4 --out /tmp/launches   # CPU
+
+Each forward runs twice: fused (the model as it is) and unfused (rope and store_kv plugged
+in as overrides, which makes the model run the pair; see llmlab/kernels/__init__.py), so one
+run shows what the fusion saves. See kernels_explained/rope_store_kv.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ops that move no data: metadata changes and allocations
+_NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+              "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+              "promote_types", "result_type"}
+
+
+class _TorchOps(TorchDispatchMode):
+    """Appends the name of each computing aten op to `launches` (while `active`)."""
+
+    def __init__(self, launches):
+        super().__init__()
+        self.launches, self.active = launches, True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.active and not func.is_view and name not in _NO_LAUNCH:
+            self.launches.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _triton_function_classes():
+    from triton.runtime.jit import JITFunction
+
+    classes = [JITFunction]
+    with contextlib.suppress(ImportError):
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    return classes
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Inside the block, the yielded list gets one name per kernel launched: the Triton
+    kernel's name, or the aten op's. (The interpreter's own torch ops inside a Triton
+    launch are not counted.)"""
+    launches: list[str] = []
+    mode = _TorchOps(launches)
+    classes = _triton_function_classes()
+    saved = [cls.run for cls in classes]
+
+    def counting(original):
+        def run(self, *args, **kwargs):
+            launches.append(self.__name__.strip("_").removesuffix("_kernel"))
+            mode.active = False          # the interpreter's numpy copies are not launches
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                mode.active = True
+        return run
+
+    for cls, original in zip(classes, saved):
+        cls.run = counting(original)
+    try:
+        with mode:
+            yield launches
+    finally:
+        for cls, original in zip(classes, saved):
+            cls.run = original
+
+
+def unfused(backend):
+    """Plug the backend's own rope and store_kv in as overrides: the model then runs the
+    pair instead of rope_store_kv (the same math, one launch more per layer)."""
+    from llmlab import kernels
+
+    return kernels.override(rope=kernels.get_kernel("rope", backend), store_kv=kernels.get_kernel("store_kv", backend))
+
+
+def profile_kernels(fn) -> dict:
+    """CUDA only: fn()'s kernels as the profiler saw them (after one run to warm up):
+    count, busy time, and the span from the first kernel's start to the last one's end;
+    span - busy is the idle time between launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, None
+    for start, stop in intervals:   # union of the intervals: overlapping kernels count once
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    names = Counter(e.name for e in kernels)
+    return {"kernels": len(kernels), "busy_us": busy, "span_us": span, "gaps_us": span - busy,
+            "by_name": dict(names.most_common())}
+
+
+def decode_step(engine, batch_size: int, context: int):
+    """fn() running one eager decode forward of `batch_size` sequences at `context` tokens,
+    through the engine's runner (a dummy plan on an unused cache)."""
+    from llmlab.engine.runner import dummy_plan
+
+    runner = engine.runner
+    inputs = runner.prepare(dummy_plan(engine.config.block_size, decodes=[context] * batch_size))
+    return lambda: runner.forward(*inputs, eager=True)
+
+
+def per_layer(launches: list[str], num_layers: int) -> dict:
+    """The step's launches as one layer's sequence (every layer launches the same kernels)
+    and what runs outside the layers (embedding, final norm, lm_head). A layer starts at
+    its input rms_norm and has two: layer 0 runs from the first rms_norm to the third (with
+    one layer, the third is the final norm)."""
+    norms = [i for i, name in enumerate(launches) if name == "rms_norm"]
+    if len(norms) != 2 * num_layers + 1:
+        raise ValueError(f"expected {2 * num_layers + 1} rms_norm launches, saw {len(norms)}")
+    layer = launches[norms[0]:norms[2]]
+    outside = Counter(launches)
+    outside.subtract({name: n * num_layers for name, n in Counter(layer).items()})
+    return {"per_layer": layer, "per_layer_total": len(layer), "outside_layers": dict(+outside)}
+
+
+def measure(engine, batch_sizes, context) -> list[dict]:
+    from llmlab.bench.single_forward import _time_cuda
+
+    backend, num_layers = engine.runner.backend, engine.runner.model_config.num_layers
+    rows = []
+    for batch_size in batch_sizes:
+        step = decode_step(engine, batch_size, context)
+        for variant in ("fused", "unfused"):
+            with unfused(backend) if variant == "unfused" else contextlib.nullcontext():
+                step()                       # compile / warm up outside the count
+                with count_launches() as launches:
+                    step()
+                row = {"batch_size": batch_size, "context": context, "variant": variant, "backend": backend,
+                       "num_layers": num_layers, "launches": len(launches), **per_layer(launches, num_layers),
+                       "sequence": launches}
+                if torch.cuda.is_available():
+                    replay = _graphed(step)
+                    row["eager_ms"] = _time_cuda(step, repeats=20)
+                    row["graph_ms"] = _time_cuda(replay, repeats=20)
+                    row["graph_profile"] = profile_kernels(replay)
+                    row["eager_profile"] = profile_kernels(step)
+            rows.append(row)
+    return rows
+
+
+def _graphed(step):
+    """step captured in a CUDA graph (as the engine captures decode steps): fn() replays it."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def random_engine(shape: str, num_layers: int | None, batch_sizes, context: int, backend: str | None):
+    """An engine on random weights in the Llama-3-8B shape ("8b", bf16 on CUDA) or a small
+    one of the same layout ("small", for a CPU), graphs off: each forward runs as called."""
+    from llmlab import EngineConfig, LLMEngine
+    from llmlab.bench.single_forward import LLAMA3_8B
+    from llmlab.config import ModelConfig
+    from llmlab.model.llama import LlamaModel
+
+    hf = dict(LLAMA3_8B)
+    if shape == "small":   # GQA 4, head_dim a power of two, a few MB of weights
+        hf.update(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32)
+    if num_layers:
+        hf["num_hidden_layers"] = num_layers
+    fields = dict(model="random-llama3-8b", num_gpu_blocks=(context // 16 + 2) * max(batch_sizes) + 8,
+                  max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(max(batch_sizes), 256),
+                  max_model_len=context + 16, enforce_eager=True)
+    if backend:
+        fields["backend"] = backend
+    if not torch.cuda.is_available():
+        fields.update(device="cpu", dtype="float32")
+    config = EngineConfig(**fields)
+    model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
+    return LLMEngine(config, model=model)
+
+
+def main(argv=None) -> list[dict]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context", type=int, default=513, help="tokens per sequence, the new one included")
+    parser.add_argument("--shape", choices=["8b", "small"], default=None,
+                        help="model shape: Llama-3-8B (default on CUDA) or a small one (default on a CPU)")
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count")
+    parser.add_argument("--backend", default=None, help="kernel backend (default: the device's; on a CPU, "
+                                                        "'triton' counts the GPU's launch sequence)")
+    parser.add_argument("--out", required=True, help="a directory: launches.json goes there")
+    args = parser.parse_args(argv)
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    shape = args.shape or ("8b" if torch.cuda.is_available() else "small")
+    engine = random_engine(shape, args.layers, batch_sizes, args.context, args.backend)
+    rows = measure(engine, batch_sizes, args.context)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.json").write_text(json.dumps(rows, indent=1))
+    for row in rows:
+        extra = ""
+        if "graph_profile" in row:
+            p = row["graph_profile"]
+            extra = (f"; in a graph: {p['kernels']} GPU kernels, busy {p['busy_us'] / 1000:.3f} ms, "
+                     f"gaps {p['gaps_us'] / 1000:.3f} ms; eager {row['eager_ms']:.3f} ms, graph {row['graph_ms']:.3f} ms")
+        print(f"batch {row['batch_size']:3} {row['variant']:8} {row['launches']:4} launches, "
+              f"{row['per_layer_total']} per layer: {' '.join(row['per_layer'])}; "
+              f"outside the layers: {row['outside_layers']}{extra}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
