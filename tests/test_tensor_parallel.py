@@ -18,59 +18,15 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
 
 import llmlab
-from llmlab import EngineConfig, LLMEngine, SamplingParams
+from llmlab import EngineConfig, LLMEngine
 from llmlab.config import ModelConfig
 from llmlab.engine import wire
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import (check_tensor_parallel_size, kv_heads_of_rank, named_weights,
                                           shard_weight)
-from tiny_models import COMMON, save
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-# The shards multiply the same numbers as the whole model; only the order of the fp32 sums
-# changes (o_proj and down become tp partial sums added by the all-reduce). That moves
-# logits of size ~1-10 by a few ulps per layer, ~1e-6; a wrongly cut weight moves them by O(1).
-ATOL = RTOL = 1e-4
-
-TINY_VOCAB = 250       # not a multiple of 4: TP=4 pads the vocab-parallel embedding to 252
-
-
-def build_tiny(folder, config_name, model_name, **kwargs):
-    """A tiny HF model with every weight random (as tests/tiny_models.py builds them), saved."""
-    config = getattr(transformers, config_name)(**{**COMMON, "vocab_size": TINY_VOCAB, **kwargs})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
-    return save(model, folder, "safetensors")
-
-
-def greedy_run(engine, prompts, params=GREEDY):
-    """Greedy tokens per prompt, the logits of every forward, and the trace."""
-    recorder = llmlab.Recorder()
-    engine.hooks.attach(recorder)
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    with engine.model.capture(["logits"]) as taps:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-    return [done[i] for i in ids], taps["logits"], recorder.trace
-
-
-def shut_down(engine):
-    """Stop the workers; each must exit cleanly, and the process group must be gone."""
-    processes = [w.process for w in engine.executor.workers]
-    engine.executor.shutdown()
-    assert [p.exitcode for p in processes] == [0] * len(processes)
-    assert not dist.is_initialized()
-    assert multiprocessing.active_children() == []
-
+from parallel_helpers import ATOL, GREEDY, RTOL, TINY_VOCAB, build_tiny, greedy_run, kill_mid_step, shut_down
 
 # ---- sizes and slices (no processes) -------------------------------------------------------
 
@@ -213,6 +169,14 @@ def test_a_killed_worker_is_reported_by_rank_0(tiny_tp2_engine):
     worker.join()
     with pytest.raises(RuntimeError, match="worker 1 .* died with exit code -9"):
         engine.step()
+
+
+def test_a_worker_killed_inside_a_step_is_reported_and_nothing_hangs(tiny_tp2_engine):
+    engine = tiny_tp2_engine
+    engine.add_request([1, 2, 3], GREEDY)
+    errors = kill_mid_step(engine, rank=1)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "worker 1" in str(errors[0]) and "died with exit code -9" in str(errors[0])
 
 
 # ---- on GPUs (NCCL): the same check, run on the lent multi-GPU machine -------------------------

@@ -64,16 +64,18 @@ def micro_batch_cuts(cu_seqlens_q: list[int], num_decodes: int, logits_indices: 
                      num_micro_batches: int) -> list[tuple[int, int, int, int]]:
     """Where to cut a flat batch: M + 1 cuts (token row, prefill chunks, decodes, logits rows
     before it), the first (0, 0, 0, 0), the last the whole batch. Cuts fall between
-    sequences, as near to equal token counts as the sequences allow, and every micro-batch
-    gets at least one sequence (so M is at most the number of sequences)."""
+    sequences: each where the tokens left would be shared equally among the micro-batches
+    left, as near as the sequences allow; every micro-batch gets at least one sequence (so
+    M is at most the number of sequences)."""
     num_prefills, num_prefill_tokens = len(cu_seqlens_q) - 1, cu_seqlens_q[-1]
     seq_ends = cu_seqlens_q[1:] + [num_prefill_tokens + j + 1 for j in range(num_decodes)]
     total, num_seqs = num_prefill_tokens + num_decodes, num_prefills + num_decodes
     m = max(1, min(num_micro_batches, num_seqs))
-    cuts, seqs = [(0, 0, 0, 0)], 0
+    cuts, seqs, row = [(0, 0, 0, 0)], 0, 0
     for k in range(1, m):
+        target = row + (total - row) / (m - k + 1)
         seqs += 1    # at least one more sequence in micro-batch k - 1 ...
-        while seqs < num_seqs - (m - k) and seq_ends[seqs - 1] < total * k / m:
+        while seqs < num_seqs - (m - k) and seq_ends[seqs - 1] < target:
             seqs += 1   # ... and leave one for each micro-batch after it
         row = seq_ends[seqs - 1]
         cuts.append((row, min(seqs, num_prefills), max(seqs - num_prefills, 0),
@@ -137,23 +139,23 @@ def run_stage(model: LlamaModel, layout: RankLayout, batches: list[MicroBatch], 
             start = _clock(device, spans)
             hidden, residual = activations.unbind(0)
         hidden, residual = model.decoder_layers(hidden, residual, micro.positions, micro.batch, kv_cache, kv_scales)
+        out = model.final_logits(hidden, residual, micro.batch) if layout.is_last_stage else None
+        if spans is not None:      # before the send: the next stage cannot start before this end
+            spans.append(StageSpan(step, layout.rank, layout.stage, m, num_tokens, start, _clock(device, spans)))
         if not layout.is_last_stage:
             activations = torch.stack((hidden, residual))
             pending.append((dist.isend(activations, dst=layout.next_rank), activations))
         elif layout.rank == 0:
-            logits.append(model.final_logits(hidden, residual, micro.batch))
-        else:
-            out = model.final_logits(hidden, residual, micro.batch)   # every tp rank gathers them
-            if layout.tp_rank == 0:
-                pending.append((dist.isend(out, dst=0), out))
+            logits.append(out)
+        elif layout.tp_rank == 0 and micro.num_logits:   # every tp rank of the stage gathered them
+            pending.append((dist.isend(out, dst=0), out))
         if layout.rank == 0 and not layout.is_last_stage:
             # posted now, after this micro-batch's send: on NCCL, rank 0's sends and receives
             # with one peer queue on one stream, in the order the peer serves them
             out = torch.empty(micro.num_logits, config.vocab_size, dtype=torch.float32, device=device)
-            pending.append((dist.irecv(out, src=layout.logits_rank), out))
+            if micro.num_logits:   # a micro-batch of mid-prompt chunks samples nothing
+                pending.append((dist.irecv(out, src=layout.logits_rank), out))
             logits.append(out)
-        if spans is not None:
-            spans.append(StageSpan(step, layout.rank, layout.stage, m, num_tokens, start, _clock(device, spans)))
     for work, _ in pending:
         work.wait()
     if layout.rank != 0:
