@@ -99,6 +99,7 @@ def cmd_convert(args) -> None:
 # happen inside main, so `llmlab --help` stays fast.
 BENCHMARKS = {
     "kernels": "llmlab.bench.kernels",
+    "decode-variants": "llmlab.bench.decode_variants",
     "single-forward": "llmlab.bench.single_forward",
     "offline": "llmlab.bench.offline",
     "serving": "llmlab.bench.serving",

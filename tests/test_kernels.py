@@ -411,6 +411,64 @@ def test_quantized_decode_attention(backend, cache_dtype, dtype, num_heads, num_
     torch.testing.assert_close(actual, expected, **quant_tolerance(dtype))
 
 
+# The 8-bit decode kernel's conversions, each at the tile sizes it is run with (the
+# interpreter ignores warps and stages), over lengths that end inside, at and just past a
+# tile, in the block sizes the engine uses. fp16 queries take the fp16 dots of a GPU.
+Q8_VARIANTS = ["legacy-n64-w4-s2", "cast-n64-w4-s2", "cast-n128-w4-s2", "magic-n128-w4-s2", "magic-n256-w8-s2",
+               "packed-n64-w4-s2", "packed-n128-w4-s2", "packed-n256-w8-s2"]
+Q8_LENGTHS = [1, 127, 129, 256, 280, 64]
+
+
+@pytest.mark.parametrize("variant,block_size", [(variant, 16) for variant in Q8_VARIANTS] +
+                         [("packed-n128-w4-s2", 32), ("magic-n256-w8-s2", 32)])
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_quantized_decode_attention_variants(variant, cache_dtype, block_size):
+    from llmlab.kernels.triton_decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(23)
+    k_codes, k_scales, v_codes, v_scales, block_tables, k_clean, v_clean = quantized_paged_kv(
+        Q8_LENGTHS, block_size, 2, 64, CACHE_DTYPES[cache_dtype], gen)
+    q = randn_view(len(Q8_LENGTHS), 6, 64, dtype=torch.float16, gen=gen)
+    seq_lens = torch.tensor(Q8_LENGTHS, dtype=torch.int32)
+    expected = reference.decode_attention(q, k_codes, v_codes, block_tables, seq_lens, 0.125, 1, k_clean, v_clean)
+    for num_splits in (1, 2):
+        actual = decode_attention(q, k_codes, v_codes, block_tables, seq_lens, 0.125, num_splits,
+                                  k_scales, v_scales, q8_variant=variant)
+        torch.testing.assert_close(actual, expected, **FP16_ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("variant", ["cast-n64-w4-s2", "packed-n128-w4-s2"])
+def test_quantized_decode_attention_queries_beyond_fp16s_half_range(variant):
+    """|q| > 2^15 would overflow the kernel's fp16 dots once multiplied out: it halves q
+    exactly and doubles the scores instead."""
+    from llmlab.kernels.triton_decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(24)
+    k_codes, k_scales, v_codes, v_scales, block_tables, k_clean, v_clean = quantized_paged_kv(
+        [40, 130], 16, 1, 64, torch.int8, gen)
+    q = (torch.randn(2, 4, 64, generator=gen).clamp(-3, 3) * 20000).to(torch.float16)
+    assert q.abs().max() > 2 ** 15
+    seq_lens = torch.tensor([40, 130], dtype=torch.int32)
+    scale = 1e-5  # logits of order 1 again
+    actual = decode_attention(q, k_codes, v_codes, block_tables, seq_lens, scale, 1, k_scales, v_scales,
+                              q8_variant=variant)
+    expected = reference.decode_attention(q, k_codes, v_codes, block_tables, seq_lens, scale, 1, k_clean, v_clean)
+    assert actual.isfinite().all()
+    torch.testing.assert_close(actual, expected, **FP16_ATTENTION_TOL)
+
+
+def test_q8_config_by_name_and_environment(monkeypatch):
+    from llmlab.kernels.triton_decode_attention_q8 import DEFAULT_Q8_CONFIG, Q8_CONFIGS, q8_config
+
+    monkeypatch.delenv("LLMLAB_Q8_DECODE", raising=False)
+    assert q8_config() == Q8_CONFIGS[DEFAULT_Q8_CONFIG]
+    monkeypatch.setenv("LLMLAB_Q8_DECODE", "cast-n64-w4-s2")
+    assert q8_config().name == "cast-n64-w4-s2"
+    assert q8_config("magic-n128-w4-s2").dequant == "magic"   # an explicit name wins
+    with pytest.raises(ValueError, match="unknown 8-bit decode config"):
+        q8_config("packed-n99-w4-s2")
+
+
 def test_quantized_attention_is_the_attention_of_the_dequantized_cache():
     """The reference's definition, checked once: reading codes + scales is reading their product."""
     gen = torch.Generator().manual_seed(19)
@@ -620,3 +678,27 @@ def test_gpu_quantized_decode_and_prefill_attention(cache_dtype, num_splits):
     expected = reference.prefill_attention(q, k_codes, v_codes, block_tables, cu_seqlens_q, lens, D ** -0.5,
                                            k_scales, v_scales)
     torch.testing.assert_close(actual, expected, **BF16_ATTENTION_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_gpu_quantized_decode_attention_variants(cache_dtype):
+    """Every 8-bit decode config compiled (the bit tricks, tile shapes, warps and stages
+    the interpreter cannot check), v1 and v2, bf16 queries at Llama-3-8B shapes."""
+    from llmlab.kernels.triton_decode_attention import decode_attention
+    from llmlab.kernels.triton_decode_attention_q8 import Q8_CONFIGS
+
+    skip_unless_fp8_converts(cache_dtype)
+    gen = torch.Generator().manual_seed(25)
+    seq_lens = [1, 15, 16, 17, 127, 129, 1000, 4096, 4100, 333]
+    k_codes, k_scales, v_codes, v_scales, block_tables, k_clean, v_clean = [
+        t.cuda() for t in quantized_paged_kv(seq_lens, 16, HKV, D, CACHE_DTYPES[cache_dtype], gen)]
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = randn_view(len(seq_lens), H, D, dtype=torch.bfloat16, gen=gen, dev="cuda")
+    expected = reference.decode_attention(q, k_codes, v_codes, block_tables, lens, D ** -0.5, 1, k_clean, v_clean)
+    for name in Q8_CONFIGS:
+        for num_splits in (1, 7):
+            actual = decode_attention(q, k_codes, v_codes, block_tables, lens, D ** -0.5, num_splits,
+                                      k_scales, v_scales, q8_variant=name)
+            torch.testing.assert_close(actual, expected, **BF16_ATTENTION_TOL, msg=lambda m: f"{name}, {num_splits} splits: {m}")
+

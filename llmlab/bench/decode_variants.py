@@ -1,0 +1,190 @@
+"""Every 8-bit decode-attention variant (`Q8_CONFIGS`: conversion x tile shape) against the
+bf16 kernel, v1 and v2, in one run, so the winner can be picked from one GPU session.
+
+    llmlab bench decode-variants --out decode_variants.json            # H200: Llama-3-8B heads
+    llmlab bench decode-variants --shapes 2x40 --num-heads 4 --num-kv-heads 2 --head-dim 64 \\
+        --configs packed-n64-w4-s2 --splits 1,3                          # CPU: the interpreter, seconds
+
+Each row: ms (CUDA-graph replay on a GPU; wall time of an interpreted call on a CPU), TB/s
+of the bytes the kernel must read (codes + one float32 scale per row for 8-bit caches),
+the speed-up over the bf16 row with the same splits, and the largest difference from
+`reference.decode_attention` on the same cache (a variant that is fast but wrong says so
+in `ok`). A variant that fails to compile becomes a row with its error.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from llmlab.kernels import reference
+
+# outputs are averages of N(0, 1) values; 16-bit dots and outputs (bench_kernels' bf16 tolerance)
+TOLERANCE = dict(atol=2e-2, rtol=2e-2)
+
+
+def _paged_cache(batch, context, num_kv_heads, head_dim, block_size, dtype, device, gen):
+    """Random K/V for `batch` sequences of `context` tokens in shuffled blocks."""
+    blocks_per_seq = math.ceil(context / block_size)
+    ids = torch.randperm(batch * blocks_per_seq, generator=gen).to(torch.int32)
+    block_tables = ids.view(batch, blocks_per_seq).to(device)
+    shape = (batch * blocks_per_seq, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    return k_cache, v_cache, block_tables
+
+
+def _timer(device):
+    """ms_of(make_call, bytes_per_call) -> (ms, eager ms)."""
+    if device.type == "cuda":
+        from llmlab.bench.kernels import _time_ms
+
+        return _time_ms
+
+    def cpu_time(make_call, bytes_per_call=0):
+        call = make_call(0)
+        call()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times), statistics.median(times)
+    return cpu_time
+
+
+def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 4), cache_dtypes=None,
+        num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device=None) -> dict:
+    """Time the bf16 (fp16 on a CPU) kernel and every named 8-bit config on each
+    (batch, context) shape; print a table, return {"device", "rows", "best"} (also as
+    JSON to out_path)."""
+    from llmlab.kernels import triton_decode_attention
+    from llmlab.kernels.triton_decode_attention_q8 import Q8_CONFIGS
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter has no bf16
+    if cache_dtypes is None:
+        cache_dtypes = ["int8"] + (["fp8"] if not on_gpu or torch.cuda.get_device_capability() >= (8, 9) else [])
+    names = list(configs or Q8_CONFIGS)
+    unknown = [name for name in names if name not in Q8_CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configs {unknown}; known: {sorted(Q8_CONFIGS)}")
+    time_ms = _timer(device)
+    gen = torch.Generator().manual_seed(0)
+    scale = head_dim ** -0.5
+    rows = []
+    header = "| variant | cache | shape | splits | ms | TB/s | vs bf16 | max err |\n|---|---|---|---|---|---|---|---|"
+    print(f"{torch.cuda.get_device_name() if on_gpu else 'cpu (Triton interpreter)'}, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}, heads {num_heads}/{num_kv_heads} x {head_dim}, "
+          f"block size {block_size}\n{header}", flush=True)
+
+    def measure(row, make_call, num_bytes, expected, baseline_ms=None):
+        """Fill row with the timing, the speed-up over baseline_ms and the error against
+        `expected`, or with the error message."""
+        row["bytes_read"] = num_bytes
+        try:
+            out = make_call(0)()
+            error = (out.float() - expected).abs().max().item()
+            row.update(max_abs_err=round(error, 6), ok=bool(torch.allclose(out.float(), expected, **TOLERANCE)))
+            ms, ms_eager = time_ms(make_call, num_bytes)
+            row.update(ms=round(ms, 4), ms_eager=round(ms_eager, 4), tb_s=round(num_bytes / ms / 1e9, 3))
+            if baseline_ms:
+                row["speedup_vs_bf16"] = round(baseline_ms / ms, 2)
+        except Exception as error:  # noqa: BLE001 -- a variant that does not compile here is a finding
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+        rows.append(row)
+        rate = f"{row['ms']:.4f} | {row['tb_s']}" if "ms" in row else f"failed: {row['error'][:80]} |"
+        print(f"| {row['variant']} | {row['cache']} | {row['batch']}x{row['context']} | {row['num_splits']} | {rate} "
+              f"| {row.get('speedup_vs_bf16', '')} | {row.get('max_abs_err', '')}{'' if row.get('ok', True) else ' NOT OK'} |",
+              flush=True)
+
+    for batch, context in shapes:
+        rows_read = 2 * batch * context * num_kv_heads  # K and V rows, each read once
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        q = torch.randn(batch, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+        # Enough input sets that one pass over them does not fit in L2 (on a GPU).
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) if on_gpu else 0
+        num_sets = max(1, min(8, math.ceil(4 * l2 / (rows_read * (head_dim + 4)))))
+        caches = [_paged_cache(batch, context, num_kv_heads, head_dim, block_size, dtype, device, gen)
+                  for _ in range(num_sets)]
+        shape = dict(batch=batch, context=context)
+
+        bf16_ms = {}
+        expected = reference.decode_attention(q, *caches[0], seq_lens, scale).float()
+        for num_splits in splits:
+            row = dict(variant=f"{str(dtype)[6:]} (unchanged kernel)", cache=str(dtype)[6:], num_splits=num_splits,
+                       **shape)
+            measure(row, lambda i, n=num_splits: (lambda k, v, t: lambda: triton_decode_attention.decode_attention(
+                q, k, v, t, seq_lens, scale, n))(*caches[i % num_sets]), rows_read * head_dim * dtype.itemsize,
+                expected)
+            if "ms" in row:
+                bf16_ms[num_splits] = row["ms"]
+
+        for cache_name in cache_dtypes:
+            cache_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[cache_name]
+            quantized = []
+            for k_cache, v_cache, block_tables in caches:
+                (k_codes, k_scales), (v_codes, v_scales) = (reference.quantize(c, cache_dtype) for c in (k_cache, v_cache))
+                quantized.append((k_codes, v_codes, block_tables, k_scales, v_scales))
+            k_codes, v_codes, block_tables, k_scales, v_scales = quantized[0]
+            expected = reference.decode_attention(q, k_codes, v_codes, block_tables, seq_lens, scale, 1,
+                                                  k_scales, v_scales).float()
+            for name, num_splits in itertools.product(names, splits):
+                config = Q8_CONFIGS[name]
+                row = dict(variant=name, cache=cache_name, num_splits=num_splits, dequant=config.dequant,
+                           block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **shape)
+
+                def make_call(i, name=name, num_splits=num_splits):
+                    k, v, t, ks, vs = quantized[i % num_sets]
+                    return lambda: triton_decode_attention.decode_attention(q, k, v, t, seq_lens, scale, num_splits,
+                                                                           ks, vs, q8_variant=name)
+                measure(row, make_call, rows_read * (head_dim * cache_dtype.itemsize + 4), expected,
+                        bf16_ms.get(num_splits))
+            del quantized, expected
+        del caches
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+    best = {}
+    for row in rows:
+        key = f"{row['cache']} {row['batch']}x{row['context']}"
+        if row.get("ok") and (key not in best or row["ms"] < best[key]["ms"]):
+            best[key] = {k: row[k] for k in ("variant", "num_splits", "ms", "tb_s", "speedup_vs_bf16") if k in row}
+    print("fastest correct variant per cache and shape:")
+    for key, row in best.items():
+        print(f"  {key}: {row}")
+    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+              "triton": __import__("triton").__version__,
+              "heads": [num_heads, num_kv_heads, head_dim], "block_size": block_size, "rows": rows, "best": best}
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _ints(text):
+    return tuple(int(x) for x in text.split(","))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--shapes", default="64x4096,64x512", help="BATCHxCONTEXT,... (default: %(default)s)")
+    parser.add_argument("--configs", default=None, help="comma-separated Q8_CONFIGS names (default: all)")
+    parser.add_argument("--splits", default="1,4", help="num_splits to run each variant with (default: %(default)s)")
+    parser.add_argument("--cache-dtypes", default=None, help="int8,fp8 (default: those the device converts)")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+
+
+def main(args) -> dict:
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    return run(args.out, shapes, args.configs.split(",") if args.configs else None, _ints(args.splits),
+               args.cache_dtypes.split(",") if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
+               args.head_dim, args.block_size, args.device)
