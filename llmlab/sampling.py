@@ -95,11 +95,13 @@ class Sampler:
                               backend=self.backend)
 
     def warm_up(self, vocab_size: int, device, dtype) -> None:
-        """Compile the sampling kernel now (one call takes every branch: top-k, top-p, min-p),
-        not inside the first request's step."""
-        logits = torch.zeros(2, vocab_size, device=device, dtype=dtype)
-        params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01), SamplingParams()]
-        self(logits, params, [0, 1], [0, 0]).tolist()
+        """Compile the sampling kernels now (one call takes every branch: top-k, top-p, min-p,
+        and rows without top-k, which the Triton sampler draws by rejection rounds), not
+        inside the first request's step."""
+        logits = torch.zeros(3, vocab_size, device=device, dtype=dtype)
+        params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01),
+                  SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01), SamplingParams()]
+        self(logits, params, [0, 1, 2], [0, 0, 0]).tolist()
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -254,3 +254,21 @@ def test_gpu_frequencies_match_the_filtered_softmax():
         counts = draw(LOGITS.cuda(), params, 20000, backend="triton").cpu()
         assert counts[probs == 0].sum() == 0
         assert chi_square_p_value(counts, probs) > 1e-3, params
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_sampler_matches_its_launches(monkeypatch):
+    """On the GPU the sampler's launches replay as CUDA graphs per padded batch size: the
+    same tokens as launching them one by one, across batch sizes that share a bucket, grow
+    the static logits buffer, and change the passes (top-k rows or none)."""
+    triton_sample = triton_sample_module()
+    cases = [(1, 0), (3, 1), (4, 2), (17, 3), (64, 4), (300, 5), (20, 6), (64, 7)]
+    for num_rows, seed in cases:
+        logits, *params = random_batch(num_rows, 128256, seed=seed)
+        if seed % 2:
+            params[1][:] = -1                      # no top-k rows: rejection rounds only
+        logits = logits.cuda().bfloat16()
+        monkeypatch.setattr(triton_sample, "GRAPHS", True)
+        graphed = kernels.sample(logits, *params, backend="triton")
+        monkeypatch.setattr(triton_sample, "GRAPHS", False)
+        assert torch.equal(graphed, kernels.sample(logits, *params, backend="triton")), num_rows

@@ -39,6 +39,7 @@ BLOCK = int(os.environ.get("LLMLAB_SAMPLE_BLOCK", 512))
 NUM_WARPS = int(os.environ.get("LLMLAB_SAMPLE_WARPS", 8))
 TARGET_PROGRAMS = int(os.environ.get("LLMLAB_SAMPLE_PROGRAMS", 512))   # chunks per row = this / rows
 ROUNDS = int(os.environ.get("LLMLAB_SAMPLE_ROUNDS", 3))   # rejection checks before the radix fallback
+GRAPHS = os.environ.get("LLMLAB_SAMPLE_GRAPHS", "1") != "0"   # on a GPU, replay the launches as a graph
 MAX_CHUNKS = 128            # chunk partials a program reads: one fixed size, one compiled variant
 _workspace: dict = {}       # device -> a byte buffer the per-call scratch tensors are cut from
 _views: dict = {}           # (device, layout) -> the views of that buffer
@@ -188,50 +189,85 @@ def _accept_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best
             tl.store(next_token_ptr + row * P + c, token)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
-    """Same contract as reference.sample. The parameter tensors may be on the host (the
-    Sampler builds them there): then passes no row needs are not launched at all."""
-    S, V = logits.shape
-    device = logits.device
-    tokens = logits.argmax(dim=-1)
-    if S == 0:
-        return tokens
-    if logits.stride(-1) != 1 or logits.stride(0) % 8 or logits.storage_offset():
-        logits = logits.contiguous().clone()   # own aligned storage: no new kernel variant
-    k = top_k.float()
+def row_flags(temperature, top_k, top_p, min_p, V):
+    """Which passes a batch needs, from its parameters on the host: (rows with top-k, rows
+    with top-p, rows the first check cannot settle: top-p or min-p without top-k). The
+    parameters on the device: all of them (read back, they would cost a sync)."""
     if top_k.is_cuda:
-        with_top_k = rounds_needed = any_top_p = True
-    else:
-        sampled = temperature > 0
-        k_on = (k > 0) & (k < V)
-        with_top_k = bool((k_on & sampled).any())
-        any_top_p = bool(((top_p < 1) & sampled).any())
-        # rows the first check cannot settle alone: top-p or min-p without top-k
-        rounds_needed = bool((sampled & ~k_on & ((top_p < 1) | (min_p > 0))).any())
-    # two small host->device copies: [S, 4] floats (temperature, top_p, min_p, top_k), [2, S] ints
-    floats = torch.stack([temperature.float(), top_p.float(), min_p.float(), k.to(temperature.device)], dim=1)
-    ints = torch.stack([seeds.long(), positions.long().to(seeds.device)])
-    if floats.device != device:
-        floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
-    key_bits = 32 if logits.dtype == torch.float32 else 16
-    levels = key_bits // 4
+        return True, True, True
+    t, k, p, mp = (x.numpy() for x in (temperature.float(), top_k, top_p.float(), min_p.float()))
+    sampled = t > 0
+    k_on = (k > 0) & (k < V)
+    return (bool((k_on & sampled).any()), bool(((p < 1) & sampled).any()),
+            bool((sampled & ~k_on & ((p < 1) | (mp > 0))).any()))
+
+
+def pack(temperature, top_k, top_p, min_p, seeds, positions, rows=None):
+    """The parameters as two small tensors: floats [rows, 4] (temperature, top_p, min_p, top_k),
+    ints [2, rows] (seed, position); rows past the batch are greedy padding."""
+    S = temperature.shape[0]
+    rows = rows or S
+    floats = torch.zeros(rows, 4, dtype=torch.float32, device=temperature.device)
+    ints = torch.zeros(2, rows, dtype=torch.int64, device=seeds.device)
+    floats[:S] = torch.stack([temperature.float(), top_p.float(), min_p.float(),
+                              top_k.float().to(temperature.device)], dim=1)
+    ints[0, :S] = seeds
+    ints[1, :S] = positions.to(seeds.device)
+    return floats, ints
+
+
+def layout(S, V, dtype):
+    """(P chunks per row, CH tokens per chunk, radix levels)."""
+    levels = (32 if dtype == torch.float32 else 16) // 4
     P = max(1, min(triton.cdiv(V, BLOCK), TARGET_PROGRAMS // S, MAX_CHUNKS))
     CH = triton.cdiv(triton.cdiv(V, P), BLOCK) * BLOCK       # chunk length, a multiple of BLOCK
-    P = triton.cdiv(V, CH)
-    rounds = max(ROUNDS, 1) if rounds_needed else 1           # temperature alone: one check accepts
+    return triton.cdiv(V, CH), CH, levels
+
+
+def scratch_shapes(S, P, levels, rounds):
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
-    (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, floor, zk, best,
-     best_token) = _scratch(device, [
-        ((S, P, 2), f32), ((rounds + 1, S, P), f32), ((rounds + 1, S, P), i32), ((S, P), f32), ((3, S), i64),
-        ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32), ((S,), i64), ((S, P), f32),
-        ((S, P), f32), ((S, P), i32)])
+    return [((S, P, 2), f32), ((rounds + 1, S, P), f32), ((rounds + 1, S, P), i32), ((S, P), f32), ((3, S), i64),
+            ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32), ((S, P), f32),
+            ((S, P), f32), ((S, P), i32)]
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    """Same contract as reference.sample. The parameter tensors may be on the host (the
+    Sampler builds them there): then passes no row needs are not launched at all, and on a
+    GPU the launches replay as one CUDA graph (`triton_sample_graph.py`)."""
+    S, V = logits.shape
+    if S == 0:
+        return logits.argmax(dim=-1)
+    flags = row_flags(temperature, top_k, top_p, min_p, V)
+    if logits.is_cuda and not top_k.is_cuda and GRAPHS and not torch.cuda.is_current_stream_capturing():
+        from .triton_sample_graph import graphed_sample
+        return graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, positions)
+    if logits.stride(-1) != 1 or logits.stride(0) % 8 or logits.storage_offset():
+        logits = logits.contiguous().clone()   # own aligned storage: no new kernel variant
+    floats, ints = pack(temperature, top_k, top_p, min_p, seeds, positions)
+    if floats.device != logits.device:
+        floats, ints = (t.pin_memory().to(logits.device, non_blocking=True) for t in (floats, ints))
+    P, CH, levels = layout(S, V, logits.dtype)
+    rounds = max(ROUNDS, 1) if flags[2] else 1
+    return launch(logits, floats, ints, flags, _scratch(logits.device, scratch_shapes(S, P, levels, rounds)))
+
+
+def launch(logits, floats, ints, flags, scratch):
+    """Every pass the batch needs, on device tensors (the CUDA graph captures this)."""
+    S, V = logits.shape
+    with_top_k, any_top_p, rounds_needed = flags
+    P, CH, levels = layout(S, V, logits.dtype)
+    rounds = max(ROUNDS, 1) if rounds_needed else 1           # temperature alone: one check accepts
+    (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, zk, best,
+     best_token) = scratch
+    tokens = logits.argmax(dim=-1)
     done_final.zero_()
     done, final, floor = done_final[0], done_final[1], done_final[2]
     # sizes vary with the batch, so none of them is a compile-time constant (no recompiles mid-run)
     grid = (S, P)
     meta = dict(BLOCK=BLOCK, num_warps=NUM_WARPS)
     common = (logits, logits.stride(0), floats)
-    radix = dict(KEY_BITS=key_bits, P_BLOCK=MAX_CHUNKS, **meta)
+    radix = dict(KEY_BITS=levels * 4, P_BLOCK=MAX_CHUNKS, **meta)
     _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], V, CH, P, S, **meta)
     for r in range(rounds if ROUNDS > 0 else 0):
         if any_top_p:
