@@ -98,9 +98,13 @@ class LlamaModel:
     def final_logits(self, hidden, residual, batch: ForwardBatch) -> torch.Tensor:
         """Only the last token of each sequence that samples needs the final norm and the
         vocab projection: logits [S, vocab], float32."""
-        idx = batch.logits_indices
-        last, _ = kernels.rms_norm(hidden[idx], self.norm, self.config.rms_norm_eps, residual[idx],
-                                   backend=batch.backend)
+        idx, eps = batch.logits_indices, self.config.rms_norm_eps
+        if idx.shape[0] == hidden.shape[0]:
+            # every row samples (a decode step): normalizing them all costs the same, and
+            # one gather of the result replaces a gather of hidden and one of the residual
+            last = kernels.rms_norm(hidden, self.norm, eps, residual, backend=batch.backend)[0][idx]
+        else:
+            last, _ = kernels.rms_norm(hidden[idx], self.norm, eps, residual[idx], backend=batch.backend)
         self._tap("norm", last)
         logits = self.logits(last).float()
         self._tap("logits", logits)
