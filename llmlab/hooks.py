@@ -48,6 +48,10 @@ class StepRecord:
     timings: dict[str, float] = field(default_factory=dict)          # seconds per phase
     kernel_timings: dict[str, float] = field(default_factory=dict)   # seconds per kernel
     time: float = 0.0       # perf_counter at the end of the step
+    # async scheduling: planned while the step before it ran. An engine runs one step at a
+    # time while a hook is attached, so a recorded step is overlapped only if it was
+    # launched before the hook came (engine/in_flight.py)
+    overlapped: bool = False
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -44,6 +44,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_reported_tokens: int = 0     # output tokens already handed out in a RequestOutput
+    # async scheduling: the newest output token is still on the device (a placeholder in
+    # output_token_ids until the host reads it, one step later; see engine/in_flight.py)
+    token_pending: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -20,6 +20,12 @@ bookkeeping: every scheduled request's computed tokens advance and its newly ful
 are hashed for the prefix cache; each request that sampled gets its token, and those done
 (EOS, a stop token, max_tokens, the context length) are finished and their blocks freed.
 Stop *strings* need text, so the engine checks them after detokenizing (as vLLM does).
+With async scheduling the tokens are still on the device when the next step is planned:
+`update(plan, None)` gives each sampling request a placeholder (`request.token_pending`),
+so it decodes next step with the token fed on the device, and `resolve` fills the tokens in
+a step later. A request whose pending token surely ends it (max_tokens, the context) is not
+scheduled again; one that a pending EOS or stop ends has decoded one token too many, which
+`resolve` drops (its blocks are freed then).
 
 `policy` orders requests by priority; FCFS (arrival order) by default. Pass another key
 function (e.g. shortest prompt first) to change who is admitted and who is preempted.
@@ -31,6 +37,10 @@ from dataclasses import dataclass, field
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.request import Request, RequestStatus
+
+# the value of an output token the host has not read yet (never fed to the model: the
+# runner takes that input id from the device, where the sampler left it)
+PENDING_TOKEN = -1
 
 
 def fcfs(request: Request):
@@ -94,6 +104,7 @@ class StepOutcome:
     advanced: list[Request] = field(default_factory=list)   # got a token, in plan.sampling_items order
     finished: list[Request] = field(default_factory=list)   # of those, the ones done (blocks freed)
     freed_blocks: list[int] = field(default_factory=list)   # device blocks the finished gave back
+    num_dropped: int = 0     # tokens sampled for requests that had finished meanwhile (async scheduling)
 
 
 class Scheduler:
@@ -137,25 +148,48 @@ class Scheduler:
         freed = self.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if request.token_pending:   # finished (aborted) while its newest token was in flight
+            request.output_token_ids.pop()
+            request.token_pending = False
         return freed
 
     # ---- after the step --------------------------------------------------------------
-    def update(self, plan: Plan, sampled) -> StepOutcome:
-        """The bookkeeping after the step ran `plan`: computed tokens advance and full blocks
-        are hashed for every item (this needs no sampled value, so it may run before the
-        tokens reach the host); then each of plan.sampling_items gets its token from
-        `sampled` (token ids in that order: a list, or a tensor, read here) and is finished
-        if it is done."""
+    def update(self, plan: Plan, sampled=None) -> StepOutcome:
+        """The bookkeeping after the step ran `plan` (with async scheduling: was launched):
+        computed tokens advance and full blocks are hashed for every item, and each of
+        plan.sampling_items gets a placeholder for its token. Then, when `sampled` is given
+        (token ids in that order: a list, or a tensor, read here), `resolve` fills them in.
+        Requests that finished while the step was in flight are skipped: their work is dropped."""
+        if sampled is not None and len(sampled) != len(plan.sampling_items):
+            raise ValueError(f"{len(sampled)} sampled tokens for the plan's {len(plan.sampling_items)} sampling items")
+        for item in plan.items:
+            request = item.request
+            if request.finished:
+                continue
+            request.num_computed_tokens += item.num_tokens
+            self.blocks.cache_full_blocks(request)
+            if item.completes_prompt:
+                request.output_token_ids.append(PENDING_TOKEN)
+                request.token_pending = True
+        if sampled is None:
+            return StepOutcome()
+        return self.resolve([item.request for item in plan.sampling_items], sampled)
+
+    def resolve(self, requests: list[Request], sampled) -> StepOutcome:
+        """The tokens of a step whose update had none: requests[i] (plan.sampling_items'
+        requests, in order) sampled sampled[i]. Each pending placeholder becomes its token and
+        the request is finished if done; a request finished meanwhile drops its token."""
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
-        requests = [item.request for item in plan.sampling_items]
         if len(tokens) != len(requests):
             raise ValueError(f"{len(tokens)} sampled tokens for the plan's {len(requests)} sampling items")
-        for item in plan.items:
-            item.request.num_computed_tokens += item.num_tokens
-            self.blocks.cache_full_blocks(item.request)
-        outcome = StepOutcome(advanced=requests)
+        outcome = StepOutcome()
         for request, token in zip(requests, tokens):
-            request.output_token_ids.append(token)
+            if not request.token_pending:
+                outcome.num_dropped += 1
+                continue
+            request.output_token_ids[-1] = token
+            request.token_pending = False
+            outcome.advanced.append(request)
             reason = self.stop_reason(request, token)
             if reason is not None:
                 outcome.freed_blocks += self.finish(request, reason)
@@ -168,9 +202,11 @@ class Scheduler:
         params = request.params
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self.at_length_limit(request) else None
+
+    def at_length_limit(self, request: Request) -> bool:
+        """Whether the request's newest token is its last by length: max_tokens, or the context."""
+        return len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= self.max_model_len
 
     # ---- the policy ------------------------------------------------------------------
     def schedule(self) -> Plan:
@@ -192,6 +228,8 @@ class Scheduler:
         for request in list(self.running):
             if request not in self.running or request.is_prefilling:
                 continue
+            if request.token_pending and self.at_length_limit(request):
+                continue    # its token in flight is its last: resolve() finishes it
             if budget < 1:
                 break
             if not self._make_room(request, request.num_tokens, plan):

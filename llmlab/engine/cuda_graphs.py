@@ -6,8 +6,9 @@ captured per batch size of a ladder (1, 2, 4, 8, 16, 24, ...) over static input 
 a pure-decode step copies its inputs into the buffers of the smallest size that fits
 (padding rows write nowhere: slot -1) and replays the graph. The number of flash-decoding
 splits is baked into a graph, so graphs are keyed by (size, splits): every size is captured
-with one split at start-up, other split counts (powers of two) the first time a long
-context asks for them. Prefill and mixed steps run eagerly: their shapes vary too much.
+with one split, then the ModelRunner asks for every other key a step can reach
+(warm_up.graph_keys), so no capture happens mid-run (a key still missing is captured the
+first time it is asked for). Prefill and mixed steps run eagerly: their shapes vary too much.
 """
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ class CudaGraphDecoder:
             self.logits[key] = self.model.forward(*args)
         self.pool = graph.pool()
         self.graphs[key] = graph
+
+    def capture(self, keys) -> None:
+        """Capture the (size, splits) graphs of `keys` not captured yet, largest first."""
+        for size, num_splits in sorted(set(keys) - set(self.graphs), reverse=True):
+            self._capture(size, num_splits)
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.sizes[-1]

@@ -8,6 +8,8 @@ The engine is the loop; each room does its own work:
   Scheduler.update       -> computed tokens, full-block hashes, tokens appended, token-level
                             stops (EOS, stop ids, max_tokens, context), finished blocks freed
   the engine             -> detokenization and stop strings, RequestOutputs, hook events
+With async scheduling (EngineConfig.async_scheduling, in_flight.py) the step launched by one
+call is read by the next: the host plans and prepares step N+1 while the device runs step N.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig, ModelConfig
+from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
 from llmlab import kernels
@@ -54,6 +57,10 @@ class LLMEngine:
             self.sampler.warm_up(self.model_config.vocab_size, self.device, self.dtype)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
+        # overlap steps (in_flight.py); a hook, kernel timing or model.capture() runs them one at a time
+        self.async_scheduling = config.resolved_async_scheduling()
+        self._in_flight: InFlightStep | None = None   # launched, its tokens not read yet
+        self.num_dropped_tokens = 0    # sampled for requests that had finished meanwhile
         self.requests: dict[str, Request] = {}
         self.step_index = 0
         self._freed_blocks: list[int] = []     # since the last StepRecord
@@ -135,16 +142,40 @@ class LLMEngine:
     # ---- one iteration ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of requests that produced a token or finished.
-        schedule -> swap -> runner (prepare, forward) -> sample -> scheduler.update -> outputs."""
+        schedule -> swap -> runner (prepare, forward) -> sample -> scheduler.update -> outputs.
+        With async scheduling the step launched here is completed by the next call, after
+        it has launched its own: the outputs are those of the step before (in_flight.py)."""
+        synchronous = (not self.async_scheduling or self.hooks.active or self.kernel_timing
+                       or self.model.taps is not None)
+        outputs = []
+        if synchronous and self._in_flight is not None:   # e.g. a hook was just attached
+            outputs += self._complete(self._take_in_flight())
         timings = {}
         clock = time.perf_counter()
         plan = self.scheduler.schedule()
         timings["schedule"], clock = time.perf_counter() - clock, time.perf_counter()
         self.runner.swap(plan.swap_out_copies, plan.swap_in_copies)
         timings["swap"], clock = time.perf_counter() - clock, time.perf_counter()
-        tokens, kernel_timings = [], {}
+        launched = self._launch(plan, timings, clock)
+        previous = self._take_in_flight()
+        if previous is not None:      # the device is busy with `launched` meanwhile
+            outputs += self._complete(previous)
+        self.scheduler.update(plan)   # computed tokens; placeholders for the tokens on the device
+        if synchronous:
+            outputs += self._complete(launched)
+        elif not plan.is_empty:
+            self._in_flight = launched
+        self.step_index += 1
+        return outputs
+
+    def _launch(self, plan: Plan, timings: dict, clock: float) -> InFlightStep:
+        """Prepare, forward and sample the plan; the tokens stay on the device. Requests whose
+        newest token is still in flight take it from the step in flight's tensor."""
+        requests = [item.request for item in plan.sampling_items]
+        sampled, kernel_timings = torch.empty(0, dtype=torch.int64), {}
         if not plan.is_empty:
-            input_ids, positions, batch = self.runner.prepare(plan)
+            previous = self._in_flight.previous if self._in_flight is not None else None
+            input_ids, positions, batch = self.runner.prepare_step(plan, previous)
             timings["prepare"], clock = self._lap(clock)
             if self.kernel_timing:   # eager, so that every kernel call is seen
                 with kernels.time_kernels() as kernel_timings:
@@ -152,28 +183,32 @@ class LLMEngine:
             else:
                 logits = self.runner.forward(input_ids, positions, batch)
             timings["forward"], clock = self._lap(clock)
-            tokens = self._sample(plan, logits).tolist()
+            if requests:   # a step of mid-prompt chunks only samples nothing
+                sampled = self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
+                                       [len(r.output_token_ids) for r in requests])
             timings["sample"], clock = self._lap(clock)
-        outcome = self.scheduler.update(plan, tokens)
+        return InFlightStep(plan, requests, sampled, timings, kernel_timings, index=self.step_index,
+                            overlapped=self.async_scheduling and not self.hooks.active)
+
+    def _take_in_flight(self) -> InFlightStep | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _complete(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and finish its bookkeeping: scheduler.resolve (tokens,
+        token-level stops), detokenization and stop strings, hook events; its outputs."""
+        outcome = self.scheduler.resolve(step.requests, step.tokens())
+        self.num_dropped_tokens += outcome.num_dropped
         self._freed_blocks += outcome.freed_blocks
         for request in outcome.advanced:
             self._new_token(request)
         if self.hooks.active:
-            sampled = {r.request_id: token for r, token in zip(outcome.advanced, tokens)}
+            sampled = {r.request_id: r.output_token_ids[-1] for r in outcome.advanced}
             finished = {r.request_id: r.finish_reason for r in outcome.advanced if r.finished}
-            self.hooks.emit(self._record(plan, sampled, finished, timings, kernel_timings))
+            self.hooks.emit(self._record(step, sampled, finished))
         else:
             self._freed_blocks.clear()
-        self.step_index += 1
         return [RequestOutput.of(r) for r in outcome.advanced]
-
-    def _sample(self, plan: Plan, logits: torch.Tensor) -> torch.Tensor:
-        """One token per plan.sampling_items entry (logits has their rows), on the device."""
-        requests = [item.request for item in plan.sampling_items]
-        if not requests:   # a step of mid-prompt chunks only samples nothing
-            return torch.empty(0, dtype=torch.int64)
-        return self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
-                            [len(r.output_token_ids) for r in requests])
 
     def _lap(self, clock):
         if self.device.type == "cuda" and self.hooks.active:
@@ -213,11 +248,11 @@ class LLMEngine:
         freed, self._freed_blocks = self._freed_blocks, []
         return freed
 
-    def _record(self, plan: Plan, sampled, finished, timings, kernel_timings) -> StepRecord:
-        bm = self.block_manager
+    def _record(self, step: InFlightStep, sampled, finished) -> StepRecord:
+        bm, plan = self.block_manager, step.plan
         running = self.scheduler.running
         return StepRecord(
-            step=self.step_index,
+            step=step.index, overlapped=step.overlapped,
             scheduled=[ScheduledRecord(i.request.request_id, i.kind, i.num_tokens, i.start_position)
                        for i in plan.items],
             preempted=list(plan.preempted), swapped_out=list(plan.swapped_out),
@@ -234,4 +269,4 @@ class LLMEngine:
             free_device_blocks=bm.num_free_blocks, total_device_blocks=bm.num_device_blocks,
             free_host_blocks=bm.num_free_host_blocks, total_host_blocks=bm.num_host_blocks,
             token_budget=self.scheduler.token_budget,
-            timings=timings, kernel_timings=dict(kernel_timings), time=time.perf_counter())
+            timings=step.timings, kernel_timings=dict(step.kernel_timings), time=time.perf_counter())

@@ -6,10 +6,13 @@ At start-up, in this order:
   prepack     on a CPU, each weight in oneDNN's blocked layout (dense.py, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
-  graphs      CUDA graphs of decode steps (cuda_graphs.py)
-  warm-up     throwaway batches of many shapes, so Triton compiles before the first request
-Then every step: `swap` (block copies of the plan), `prepare` (runner.py: the flat batch)
-and `forward` (logits), which `execute` chains for a whole plan.
+  graphs      CUDA graphs of decode steps, one per (batch size, splits) a step can ask for
+              (cuda_graphs.py, warm_up.graph_keys)
+  warm-up     throwaway batches that compile every Triton kernel variant a step can use
+              (warm_up.py), so none compiles while requests wait
+Then every step: `swap` (block copies of the plan), `prepare_step` (runner.py: the flat
+batch, staged in persistent buffers, input_buffers.py) and `forward` (logits). `prepare`
+and `execute` do the same for any plan (dummy ones too) with fresh tensors.
 
 The runner knows nothing of requests' futures: the engine hands it a Plan, it hands back
 logits. Sampling and the bookkeeping after the step are the engine's and the scheduler's.
@@ -22,6 +25,8 @@ from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import runner
 from llmlab.engine.host_memory import keep_freed_memory
+from llmlab.engine.input_buffers import InputBuffers
+from llmlab.engine.warm_up import graph_keys, warm_up_plans
 from llmlab.model import dense
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.tokenizer import Tokenizer
@@ -87,14 +92,19 @@ class ModelRunner:
                                  self.model_config.sliding_window or 1 << 62,
                                  self.num_device_blocks * self.block_size)
 
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.buffers = InputBuffers(self.device, max_blocks_per_seq)   # every step's inputs
         compiled = self.device.type == "cuda" and self.backend == "triton"
         self.graphs = None
         # a graph replay would skip the tensor-parallel workers' step
         if compiled and not config.enforce_eager and self.executor is None:
             from llmlab.engine.cuda_graphs import CudaGraphDecoder
 
-            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs,
-                                           -(-self.max_model_len // self.block_size), self.backend)
+            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq,
+                                           self.backend)
+            # every split count a long context can ask for, now rather than mid-run
+            self.graphs.capture(graph_keys(self.graphs.sizes, config.max_num_seqs, self.max_model_len,
+                                           self.num_splits))
         if compiled and self.executor is None:
             self.warm_up()   # compile the Triton kernel variants before the first request
 
@@ -118,14 +128,15 @@ class ModelRunner:
         return int(peak * 1.2)   # headroom for allocator fragmentation
 
     def warm_up(self) -> None:
-        """Run a few throwaway batches of different shapes (runner.WARM_UP_SHAPES) so that
-        Triton compiles its kernel variants now rather than inside the first requests' steps
-        (a first mixed step took 2 s on an H200). They write K/V into blocks that no request
-        owns yet."""
+        """Run throwaway batches (warm_up.warm_up_plans) so that Triton compiles every kernel
+        variant a step can ask for now, not inside the first requests' steps (a first mixed
+        step took 2 s on an H200). They write K/V into blocks that no request owns yet."""
         num_blocks = self.kv_cache.device.shape[2]
-        for chunks, contexts in runner.WARM_UP_SHAPES:
-            plan = runner.dummy_plan(self.block_size, prefills=[(n, n) for n in chunks], decodes=contexts)
-            if max(chunks + contexts) > self.max_model_len or runner.num_blocks_of(plan, self.block_size) > num_blocks:
+        plans = warm_up_plans(self.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                              self.max_model_len, self.num_splits)
+        for plan in plans:
+            longest = max(item.start_position + item.num_tokens for item in plan.items)
+            if longest > self.max_model_len or runner.num_blocks_of(plan, self.block_size) > num_blocks:
                 continue   # a small engine never sees this shape
             self.execute(plan)
         if self.device.type == "cuda":
@@ -151,10 +162,20 @@ class ModelRunner:
         return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):
-        """input_ids [T], positions [T] and the ForwardBatch of the plan (runner.prepare)."""
+        """input_ids [T], positions [T] and the ForwardBatch of any plan (runner.prepare), in
+        fresh tensors."""
+        return runner.prepare(plan, self.block_size, self.device, self._splits_of(plan), self.backend)
+
+    def prepare_step(self, plan: Plan, previous=None):
+        """The same for the engine's step, staged in the persistent buffers (no host sync on
+        CUDA). `previous`: (rows, tokens) of the step in flight, whose sampled tokens the
+        pending requests take as inputs on the device (async scheduling)."""
+        return runner.prepare(plan, self.block_size, self.device, self._splits_of(plan), self.backend,
+                              self.buffers, previous)
+
+    def _splits_of(self, plan: Plan) -> int:
         max_context = max((item.start_position + 1 for item in plan.decodes), default=0)
-        return runner.prepare(plan, self.block_size, self.device, self.num_splits(len(plan.decodes), max_context),
-                              self.backend)
+        return self.num_splits(len(plan.decodes), max_context)
 
     def forward(self, input_ids, positions, batch: ForwardBatch, eager: bool = False) -> torch.Tensor:
         """Logits [sampling items, vocab]: a CUDA graph replay for pure-decode batches when graphs

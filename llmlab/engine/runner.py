@@ -15,22 +15,17 @@ from llmlab.request import Request
 from llmlab.sampling import SamplingParams
 from llmlab.scheduler import Plan, ScheduledItem
 
-# Batch shapes the warm-up runs: (prefill chunk lengths, context lengths of the decodes).
-# Triton compiles a kernel once per constexpr value and per specialization of its integer
-# arguments (divisible by 16 or not), so these cover one token, odd and multiple-of-16
-# batches, prefill-only and mixed steps, and (the long contexts) every power-of-two number
-# of flash-decoding splits, each of which is a different combine kernel.
-WARM_UP_SHAPES = ([([7], []), ([5, 12], [2, 40, 2]), ([16], [2] * 16), ([29], [33]), ([], [2]), ([], [2, 40, 2]),
-                   ([], [2] * 16)] + [([], [context]) for context in (256, 512, 1024, 2048, 4096, 8192)])
-
-
 def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int = 1,
-            backend: str | None = None):
+            backend: str | None = None, buffers=None, previous=None):
     """Returns input_ids [T], positions [T] and the ForwardBatch for the plan. Logits are
-    asked for the last token of each item that samples (plan.sampling_items), in order."""
+    asked for the last token of each item that samples (plan.sampling_items), in order.
+    `buffers`: an InputBuffers (input_buffers.py) to stage the inputs in (the engine's
+    steps), else fresh tensors. `previous`: (rows, tokens) of the step still in flight
+    (async scheduling): a request whose newest token is pending takes it as its input from
+    tokens[rows[request]], on the device."""
     bs = block_size
     input_ids, positions, slots = [], [], []
-    cu_seqlens_q, prefill_lens, prefill_tables = [0], [], []
+    cu_seqlens_q, prefill_lens = [0], []
     for item in plan.prefills:
         request, start, end = item.request, item.start_position, item.start_position + item.num_tokens
         input_ids += request.token_ids_between(start, end)
@@ -39,35 +34,55 @@ def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int =
         slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
         cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_tokens)
         prefill_lens.append(end)
-        prefill_tables.append(table)
-    decode_lens, decode_tables = [], []
+    decode_lens = []
     for item in plan.decodes:
         request, p = item.request, item.start_position
         input_ids += request.token_ids_between(p, p + 1)
         positions.append(p)
         slots.append(request.block_table[p // bs] * bs + p % bs)
         decode_lens.append(p + 1)
-        decode_tables.append(request.block_table)
     num_prefill_tokens = cu_seqlens_q[-1]
     last_rows = [end - 1 for end in cu_seqlens_q[1:]] + list(range(num_prefill_tokens, len(input_ids)))
     logits_indices = [row for row, item in zip(last_rows, plan.items) if item.completes_prompt]
+    # a pending token is always its request's last, so only an item that completes a prompt holds one
+    pending = [(row, item.request) for row, item in zip(last_rows, plan.items)
+               if item.completes_prompt and item.request.token_pending]
+    if pending and previous is None:
+        raise RuntimeError("a request's newest token is still on the device: pass the step in flight as `previous`")
+    pending_rows = [row for row, _ in pending]
+    previous_rows = [previous[0][request] for _, request in pending]
+    prefill_requests = [item.request for item in plan.prefills]
+    decode_requests = [item.request for item in plan.decodes]
 
-    def ints(values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype, device=device)
+    if buffers is not None:
+        (input_ids, positions, slot_mapping, logits_rows, pending_rows, previous_rows, cu_seqlens_q, prefill_lens,
+         decode_lens, prefill_tables, decode_tables) = buffers.stage(
+            [input_ids, positions, slots, logits_indices, pending_rows, previous_rows],
+            [cu_seqlens_q, prefill_lens, decode_lens], [prefill_requests, decode_requests])
+    else:
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=device)
 
+        input_ids, positions, slot_mapping, logits_rows, pending_rows, previous_rows = (
+            ints(v, torch.int64) for v in (input_ids, positions, slots, logits_indices, pending_rows, previous_rows))
+        cu_seqlens_q, prefill_lens, decode_lens = ints(cu_seqlens_q), ints(prefill_lens), ints(decode_lens)
+        prefill_tables = pad_tables([r.block_table for r in prefill_requests], device)
+        decode_tables = pad_tables([r.block_table for r in decode_requests], device)
+    if pending:   # the sampler's output of the step in flight, never seen by the host
+        input_ids[pending_rows] = previous[1][previous_rows]
     batch = ForwardBatch(
         num_prefill_tokens=num_prefill_tokens,
-        slot_mapping=ints(slots, torch.int64),
-        prefill_cu_seqlens_q=ints(cu_seqlens_q),
-        prefill_seq_lens=ints(prefill_lens),
-        prefill_block_tables=pad_tables(prefill_tables, device),
-        decode_seq_lens=ints(decode_lens),
-        decode_block_tables=pad_tables(decode_tables, device),
-        logits_indices=ints(logits_indices, torch.int64),
+        slot_mapping=slot_mapping,
+        prefill_cu_seqlens_q=cu_seqlens_q,
+        prefill_seq_lens=prefill_lens,
+        prefill_block_tables=prefill_tables,
+        decode_seq_lens=decode_lens,
+        decode_block_tables=decode_tables,
+        logits_indices=logits_rows,
         num_splits=num_splits,
         backend=backend,
     )
-    return ints(input_ids, torch.int64), ints(positions, torch.int64), batch
+    return input_ids, positions, batch
 
 
 def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""Warm-up: throwaway batches that make Triton compile, and CUDA graphs capture, every
+variant the engine's steps can ask for, before the first request. A first-time compile in
+the middle of a run stalls every stream (a first mixed step took 2 s on an H200; first
+captures of long-context decode graphs showed in the calibration's p90).
+
+Triton compiles a kernel once per value of its constexprs and per class of each integer
+argument: 1, a multiple of 16, anything else (`spec`). What changes from step to step:
+  prefill attention  the number of prefill sequences P (its class, and BLOCK_S, the power
+                     of two >= 16 above it) and the width of the block tables (the longest)
+  decode attention   the number of flash-decoding splits (each split count has its own
+                     combine kernel) and the width of the block tables, in eager steps
+  the sampler        its chunking follows the number of rows (Sampler.warm_up runs them all)
+Every other integer argument is a model constant (heads, strides of the weights).
+`warm_up_plans` covers each combination once; `graph_keys` lists every (batch size,
+splits) CUDA graph a decode step can replay.
+"""
+from __future__ import annotations
+
+import itertools
+
+from llmlab.engine.runner import dummy_plan
+from llmlab.scheduler import Plan
+
+# (prefills as (chunk, context) pairs, decode contexts): a step of one token, odd and
+# multiple-of-16 token counts, prefill-only, decode-only and mixed steps
+STATIC_SHAPES = [([(7, 7)], []), ([(5, 5), (12, 12)], [2, 40, 2]), ([(16, 16)], [2] * 16), ([(29, 29)], [33]),
+                 ([], [2]), ([], [2, 40, 2]), ([], [2] * 16)]
+
+
+def spec(value: int) -> int:
+    """How Triton specializes an integer argument: 1, 16 (a multiple of it) or 0 (other)."""
+    return 1 if value == 1 else 16 if value % 16 == 0 else 0
+
+
+def first_of_each(values, key) -> list:
+    """The first value of `values` for each distinct key(value), in order."""
+    seen = {}
+    for value in values:
+        seen.setdefault(key(value), value)
+    return list(seen.values())
+
+
+def warm_up_plans(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                  num_splits) -> list[Plan]:
+    """Dummy plans (runner.dummy_plan) that together hit every kernel variant listed above.
+    `num_splits(num_decodes, longest context)` is the runner's split choice."""
+    max_width = -(-max_model_len // block_size)
+    # one context per class of block-table width: tables of 1, 2 and 16 blocks
+    contexts = [min(width * block_size, max_model_len) for width in first_of_each(range(1, max_width + 1), spec)]
+    # one count of prefill sequences per (class, BLOCK_S): 1, 2, 16, 17, 32, 33, 48, 65, ...
+    most_prefills = max(1, min(max_num_seqs, max_num_batched_tokens))
+    prefill_counts = first_of_each(range(1, most_prefills + 1), lambda p: (spec(p), max(16, 1 << (p - 1).bit_length())))
+    # one decode batch (size, longest context) per (splits, class of table width); the split
+    # count only falls as the batch grows, so batch sizes of powers of two find them all
+    sizes = sorted({1 << i for i in range(max_num_seqs.bit_length())} | {max_num_seqs})
+    decodes = first_of_each(((n, c) for n in sizes for c in range(1, max_model_len + 1)),
+                            lambda nc: (num_splits(*nc), spec(-(-nc[1] // block_size))))
+    plans = [dummy_plan(block_size, prefills, contexts) for prefills, contexts in STATIC_SHAPES]
+    mixed = list(itertools.product(prefill_counts, contexts))
+    for i in range(max(len(mixed), len(decodes))):
+        prefills, decode_contexts = [], []
+        if i < len(mixed):   # P - 1 one-token prompts and one whose table has the width wanted
+            count, context = mixed[i]
+            prefills = [(1, 1)] * (count - 1) + [(1, context)]
+        if i < len(decodes):
+            size, context = decodes[i]
+            decode_contexts = [2] * (size - 1) + [context]
+        plans.append(dummy_plan(block_size, prefills, decode_contexts))
+    return plans
+
+
+def graph_keys(sizes: list[int], max_num_seqs: int, max_model_len: int, num_splits) -> list[tuple[int, int]]:
+    """Every (graph batch size, splits) a decode step of 1 .. max_num_seqs sequences with
+    contexts up to max_model_len replays (cuda_graphs.py); the split count only grows with
+    the context, so a batch whose longest context gets one split needs no other key."""
+    keys = set()
+    for num_seqs in range(1, min(max_num_seqs, sizes[-1]) + 1):
+        size = next(s for s in sizes if s >= num_seqs)
+        if num_splits(num_seqs, max_model_len) == 1:
+            keys.add((size, 1))
+            continue
+        keys.update((size, num_splits(num_seqs, context)) for context in range(1, max_model_len + 1, 16))
+        keys.add((size, num_splits(num_seqs, max_model_len)))
+    return sorted(keys)
