@@ -11,6 +11,7 @@ inside a step is reported by rank 0, which does not hang.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 
 import pytest
@@ -22,10 +23,11 @@ from llmlab import EngineConfig, LLMEngine
 from llmlab.bench import offline
 from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
 from llmlab.engine import runner
-from llmlab.engine.pipeline import micro_batch_cuts, micro_batches
+from llmlab.engine.pipeline import StageSpan, micro_batch_cuts, micro_batches
 from llmlab.engine.placement import RankLayout, stage_layers, weights_of_stage
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import named_weights
+from llmlab.viz import parallel_figures
 from parallel_helpers import ATOL, GREEDY, RTOL, TINY_VOCAB, build_tiny, greedy_run, kill_mid_step, shut_down
 
 
@@ -102,6 +104,28 @@ def test_micro_batches_one_after_another_give_the_whole_batch_logits():
              for m in micro_batches(input_ids, positions, batch, cuts)]
     assert len(parts) == 3 and sum(p.shape[0] for p in parts) == whole.shape[0] == 6
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_placement_figures_draw_what_each_rank_holds():
+    config = dataclasses.replace(tiny_config(num_layers=5), num_heads=9, num_kv_heads=3)
+    z = parallel_figures.tensor_parallel_placement(config, tp=3).data[0].z    # rank + 1 where held
+    for rank in range(3):
+        assert z[rank][:9] == [rank + 1 if h // 3 == rank else 0 for h in range(9)]        # its 3 q heads
+        assert z[rank][9:12] == [rank + 1 if h == rank else 0 for h in range(3)]          # their kv head
+        assert z[rank][-1] == rank + 1                                                    # norms: everyone
+    z = parallel_figures.pipeline_placement(config, tp=2, pp=2).data[0].z
+    # columns: embedding, layers 0-4, final norm, lm_head; ranks 0, 1 are stage 0 (layers 0-2)
+    assert z[1] == [2, 2, 2, 2, 0, 0, 0, 0] and z[3] == [0, 0, 0, 0, 4, 4, 4, 4]
+
+
+def test_timeline_figure_has_a_bar_per_rank_and_micro_batch():
+    spans = [StageSpan(0, rank, rank, m, 5, 1.0 + 0.1 * (rank + m), 1.1 + 0.1 * (rank + m))
+             for rank in range(2) for m in range(2)]
+    fig = parallel_figures.pipeline_timeline(spans, note="test")
+    assert [trace.name for trace in fig.data] == ["micro-batch 0", "micro-batch 1"]
+    assert [round(b) for b in fig.data[1].base] == [100, 200]           # ms from the first start
+    # 4 spans of 0.1 s on 2 ranks over 0.3 s: busy 2/3 of the time
+    assert parallel_figures.busy_fraction(spans) == pytest.approx(2 / 3)
 
 
 # ---- the pipelined engine against the whole model -----------------------------------------------

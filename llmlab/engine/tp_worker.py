@@ -21,8 +21,10 @@ import torch.distributed as dist
 from llmlab.cache.kv_cache import KVCache
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import wire
+from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.pipeline import micro_batches, run_stage
 from llmlab.engine.placement import RankLayout, distribute_weights, join_groups, local_config
+from llmlab.model import dense
 from llmlab.model.tensor_parallel import TensorParallelGroup, TensorParallelShard, model_from_weights
 
 # longest any rank may wait inside one collective of a step or of the start-up; between
@@ -60,6 +62,9 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
         model = model_from_weights(TensorParallelShard, config_here, distribute_weights(None, layout, device))
         model.tp_group = TensorParallelGroup(layout.tp_rank, layout.tp, model_config.vocab_size,
                                              groups.tensor_parallel)
+        if device.type == "cpu":               # as the ModelRunner does for rank 0's part
+            dense.prepack(model.matrices())
+            keep_freed_memory()
         pipe.send(("ready",))
         dtype, kv_cache, steps_run = config.resolved_dtype(), None, 0
         while True:
