@@ -191,15 +191,15 @@ def _accept_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best
 
 def row_flags(temperature, top_k, top_p, min_p, V):
     """Which passes a batch needs, from its parameters on the host: (rows with top-k, rows
-    with top-p, rows the first check cannot settle: top-p or min-p without top-k). The
-    parameters on the device: all of them (read back, they would cost a sync)."""
+    with top-p, rows the first check cannot settle: top-p or min-p without top-k, greedy
+    rows). The parameters on the device: all of them (read back, they would cost a sync)."""
     if top_k.is_cuda:
-        return True, True, True
+        return True, True, True, True
     t, k, p, mp = (x.numpy() for x in (temperature.float(), top_k, top_p.float(), min_p.float()))
     sampled = t > 0
     k_on = (k > 0) & (k < V)
     return (bool((k_on & sampled).any()), bool(((p < 1) & sampled).any()),
-            bool((sampled & ~k_on & ((p < 1) | (mp > 0))).any()))
+            bool((sampled & ~k_on & ((p < 1) | (mp > 0))).any()), not bool(sampled.all()))
 
 
 def pack(temperature, top_k, top_p, min_p, seeds, positions, rows=None):
@@ -255,12 +255,12 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
 def launch(logits, floats, ints, flags, scratch):
     """Every pass the batch needs, on device tensors (the CUDA graph captures this)."""
     S, V = logits.shape
-    with_top_k, any_top_p, rounds_needed = flags
+    with_top_k, any_top_p, rounds_needed, any_greedy = flags
     P, CH, levels = layout(S, V, logits.dtype)
     rounds = max(ROUNDS, 1) if rounds_needed else 1           # temperature alone: one check accepts
     (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, zk, best,
      best_token) = scratch
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1) if any_greedy else None     # an argmax reads the whole batch too
     done_final.zero_()
     done, final, floor = done_final[0], done_final[1], done_final[2]
     # sizes vary with the batch, so none of them is a compile-time constant (no recompiles mid-run)
@@ -277,7 +277,7 @@ def launch(logits, floats, ints, flags, scratch):
     # the radix passes, for rows with top-k and for rows the rounds left unsettled (each pass
     # skips settled rows at once)
     if not (with_top_k or rounds_needed or ROUNDS <= 0):
-        return torch.where(floats[:, 0] > 0, final, tokens)
+        return _with_greedy(floats, final, tokens)
     for use_mass, needed in ((False, with_top_k), (True, any_top_p)):
         if not needed:
             continue
@@ -291,4 +291,8 @@ def launch(logits, floats, ints, flags, scratch):
                        best, best_token, V, CH, P, S, GUMBEL_SPAN=GUMBEL_SPAN, **radix)
     winner = best.argmax(dim=1, keepdim=True)                 # the first chunk on a tie
     sampled = torch.where(done.bool(), final, best_token.gather(1, winner)[:, 0].long())
-    return torch.where(floats[:, 0] > 0, sampled, tokens)
+    return _with_greedy(floats, sampled, tokens)
+
+
+def _with_greedy(floats, sampled, greedy):
+    return sampled if greedy is None else torch.where(floats[:, 0] > 0, sampled, greedy)
