@@ -180,6 +180,23 @@ def test_embedded_model_pp2_gives_the_same_greedy_text(llm):
         shut_down(pipelined.engine)
 
 
+
+def test_pp2_under_async_scheduling_gives_the_same_tokens(tmp_path):
+    """Async scheduling (on by default on GPUs) feeds a step's sampled tokens to the next
+    step on the device, before the host sees them: the broadcast must carry them."""
+    folder = build_tiny(tmp_path / "model", "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in (18, 11, 25)]
+    engine = engines(folder, num_gpu_blocks=64)
+    whole = llmlab.LLM.from_engine(engine()).generate(prompts, GREEDY)
+    pipelined = engine(pipeline_parallel_size=2, async_scheduling=True)
+    try:
+        out = llmlab.LLM.from_engine(pipelined).generate(prompts, GREEDY)
+    finally:
+        shut_down(pipelined)
+    assert [o.token_ids for o in out] == [o.token_ids for o in whole]
+
 @pytest.fixture
 def tiny_pp2_engine(tmp_path):
     folder = build_tiny(tmp_path / "model", "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=4,
@@ -239,3 +256,28 @@ def test_offline_benchmark_smoke_run_at_pp2_with_2_layers_a_rank(tmp_path):
     results = offline.main(args)
     assert results[0]["output_tokens"] > 0 and (tmp_path / "r.json").exists()
     assert multiprocessing.active_children() == [] and not dist.is_initialized()
+
+
+# ---- on GPUs (NCCL): run on the lent multi-GPU machine ----------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_pp2_on_two_gpus_matches_one_gpu(tmp_path):
+    folder = build_tiny(tmp_path / "model", "LlamaConfig", "LlamaForCausalLM", hidden_size=256,
+                        intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in (18, 11, 25, 40)]
+
+    def engine(**parallel):
+        return LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", backend="triton",
+                                      num_gpu_blocks=64, max_num_seqs=8, **parallel))
+
+    whole, whole_logits, _ = greedy_run(engine(), prompts)
+    pipelined = engine(pipeline_parallel_size=2)
+    try:
+        out, logits, _ = greedy_run(pipelined, prompts)
+    finally:
+        shut_down(pipelined)
+    assert [o.token_ids for o in out] == [o.token_ids for o in whole]
+    for got, want in zip(logits, whole_logits):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

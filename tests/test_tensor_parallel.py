@@ -183,25 +183,35 @@ def test_a_worker_killed_inside_a_step_is_reported_and_nothing_hangs(tiny_tp2_en
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_on_two_gpus_matches_one_gpu(tmp_path):
+def test_tp2_on_two_gpus_matches_one_gpu_with_and_without_cuda_graphs(tmp_path):
     # head_dim 64, as real models have (the Triton kernels' tiles want at least 16)
     folder = build_tiny(tmp_path / "model", "LlamaConfig", "LlamaForCausalLM", hidden_size=256,
                         intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in (18, 11, 25, 40)]
 
-    def engine(tp):
+    def engine(tp, enforce_eager=False):
         return LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", backend="triton",
-                                      num_gpu_blocks=64, tensor_parallel_size=tp))
+                                      num_gpu_blocks=64, max_num_seqs=8, tensor_parallel_size=tp,
+                                      enforce_eager=enforce_eager))
 
-    whole, whole_logits, _ = greedy_run(engine(1), prompts)
-    sharded_engine = engine(2)
-    try:
-        sharded, sharded_logits, _ = greedy_run(sharded_engine, prompts)
-    finally:
-        shut_down(sharded_engine)
-    assert [o.token_ids for o in sharded] == [o.token_ids for o in whole]
-    # fp32 on both sides (the Triton kernels accumulate in fp32, matmuls without TF32), so
-    # only the order of the sums differs, as on CPU; GPU reductions reorder a little more
-    for got, want in zip(sharded_logits, whole_logits):
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    whole_engine = engine(1)
+    whole, whole_logits, _ = greedy_run(whole_engine, prompts)
+    for enforce_eager in (False, True):
+        sharded_engine = engine(2, enforce_eager)
+        try:
+            graphs = sharded_engine.runner.graphs
+            if enforce_eager:
+                assert graphs is None
+            else:   # every rank captured its decode graphs, on TP=1's batch-size ladder
+                assert graphs.sizes == whole_engine.runner.graphs.sizes
+                assert {size for size, _ in graphs.graphs} == {size for size, _ in whole_engine.runner.graphs.graphs}
+            sharded, sharded_logits, _ = greedy_run(sharded_engine, prompts)
+        finally:
+            shut_down(sharded_engine)
+        assert [o.token_ids for o in sharded] == [o.token_ids for o in whole]
+        # fp32 on both sides (the Triton kernels accumulate in fp32, matmuls without TF32), so
+        # only the order of the sums differs, as on CPU; GPU reductions reorder a little more
+        for got, want in zip(sharded_logits, whole_logits):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+

@@ -137,9 +137,25 @@ class ParallelExecutor:
         return part
 
     # ---- every step ------------------------------------------------------------------------
-    def send_forward(self, input_ids, positions, batch: ForwardBatch, cuts, num_blocks: int) -> None:
-        """Tell the workers to run this forward, cut at `cuts`, on a KV cache of `num_blocks` blocks."""
-        self._send(wire.send_forward, input_ids, positions, batch, cuts, num_blocks, self.record_timeline)
+    def send_forward(self, input_ids, positions, batch: ForwardBatch, cuts, num_blocks: int,
+                     graphed: bool = False) -> None:
+        """Tell the workers to run this forward, cut at `cuts`, on a KV cache of `num_blocks`
+        blocks (graphed: by replaying their CUDA graph of it; no timeline then)."""
+        self._send(wire.send_forward, input_ids, positions, batch, cuts, num_blocks,
+                   self.record_timeline and not graphed, graphed)
+        self.steps_run += 1
+
+    def cuda_graphs(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, backend):
+        """Decode-step CUDA graphs captured on every rank (tp_cuda_graphs.py); tensor
+        parallelism only."""
+        from llmlab.engine.tp_cuda_graphs import ParallelCudaGraphs
+
+        if self.layout.pp > 1:
+            raise ValueError("CUDA graphs of pipeline-parallel steps are not supported; their steps run eagerly")
+        return ParallelCudaGraphs(self, model, kv_cache, max_num_seqs, max_blocks_per_seq, backend)
+
+    def send_capture(self, max_num_seqs: int, max_blocks_per_seq: int, num_blocks: int, backend, keys) -> None:
+        self._send(wire.send_capture, max_num_seqs, max_blocks_per_seq, num_blocks, backend, keys)
 
     def swap(self, swap_out_copies, swap_in_copies) -> None:
         """Repeat rank 0's swap copies on the workers' KV caches (each holds its own heads
@@ -171,8 +187,9 @@ class ParallelExecutor:
 
     def wait_for_step(self, logits: torch.Tensor) -> None:
         """On GPUs the collectives run asynchronously: wait for this step here, so that a
-        worker that died inside it (the watcher then aborts the group) is reported now."""
-        if logits.is_cuda:
+        worker that died inside it (the watcher then aborts the group) is reported now.
+        Not with async scheduling, whose point is not to wait: the next step reports it."""
+        if logits.is_cuda and not self.config.resolved_async_scheduling():
             torch.cuda.current_stream(logits.device).synchronize()
         if self.failure is not None:
             self._fail(RuntimeError(self.failure))
@@ -309,13 +326,12 @@ class ParallelModel(TensorParallelShard):
 
     def forward(self, input_ids, positions, batch: ForwardBatch, kv_cache, kv_scales=None) -> torch.Tensor:
         executor, layout = self.executor, self.executor.layout
-        cuts = cuts_for(input_ids, batch, layout.pp)
+        cuts, step = cuts_for(input_ids, batch, layout.pp), executor.steps_run
         executor.send_forward(input_ids, positions, batch, cuts, kv_cache.shape[2])
         spans = [] if executor.record_timeline else None
         try:   # kv_scales is None: EngineConfig allows no quantized cache with parallelism
             logits = run_stage(self, layout, micro_batches(input_ids, positions, batch, cuts), kv_cache,
-                               kv_scales, spans, executor.steps_run)
-            executor.steps_run += 1
+                               kv_scales, spans, step)
             if spans is not None:
                 executor.collect_timeline(spans)
         except BaseException as err:

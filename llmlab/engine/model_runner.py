@@ -96,17 +96,19 @@ class ModelRunner:
         self.buffers = InputBuffers(self.device, max_blocks_per_seq)   # every step's inputs
         compiled = self.device.type == "cuda" and self.backend == "triton"
         self.graphs = None
-        # a graph replay would skip the tensor-parallel workers' step
-        if compiled and not config.enforce_eager and self.executor is None:
+        # pipeline-parallel steps run eagerly; tensor-parallel ones replay on every rank at once
+        if compiled and not config.enforce_eager and config.pipeline_parallel_size == 1:
             from llmlab.engine.cuda_graphs import CudaGraphDecoder
 
-            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq,
-                                           self.backend)
+            self.graphs = (CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq, self.backend)
+                           if self.executor is None else  # tp_cuda_graphs.py
+                           self.executor.cuda_graphs(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq,
+                                                     self.backend))
             # every split count a long context can ask for, now rather than mid-run
             self.graphs.capture(graph_keys(self.graphs.sizes, config.max_num_seqs, self.max_model_len,
                                            self.num_splits))
-        if compiled and self.executor is None:
-            self.warm_up()   # compile the Triton kernel variants before the first request
+        if compiled:
+            self.warm_up()   # compile the Triton kernel variants before the first request (on every rank)
 
     # ---- start-up ----------------------------------------------------------------------
     def profile_activation_bytes(self) -> int:

@@ -21,9 +21,11 @@ import torch.distributed as dist
 from llmlab.cache.kv_cache import KVCache
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import wire
+from llmlab.engine.cuda_graphs import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.pipeline import micro_batches, run_stage
 from llmlab.engine.placement import RankLayout, distribute_weights, join_groups, local_config
+from llmlab.engine.tp_cuda_graphs import LocalForward
 from llmlab.model import dense
 from llmlab.model.tensor_parallel import TensorParallelGroup, TensorParallelShard, model_from_weights
 
@@ -66,7 +68,17 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
             dense.prepack(model.matrices())
             keep_freed_memory()
         pipe.send(("ready",))
-        dtype, kv_cache, steps_run = config.resolved_dtype(), None, 0
+        dtype, kv_cache, graphs, steps_run = config.resolved_dtype(), None, None, 0
+
+        def cache_of(num_blocks: int) -> KVCache:
+            nonlocal kv_cache
+            if kv_cache is None or kv_cache.device.shape[2] != num_blocks:
+                if graphs is not None:         # they replay the addresses of this cache
+                    raise RuntimeError("rank 0's KV cache changed after the CUDA graphs were captured")
+                kv_cache = None                # free the old cache before taking the new one
+                kv_cache = KVCache(config_here, num_blocks, num_host_blocks, config.block_size, dtype, device)
+            return kv_cache
+
         while True:
             message = wire.receive(groups, device)
             if message[0] == "stop":
@@ -75,13 +87,21 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
                 kv_cache.swap_out(message[1])
                 kv_cache.swap_in(message[2])
                 continue
+            if message[0] == "capture":        # with rank 0, key for key (tp_cuda_graphs.py)
+                _, max_num_seqs, max_blocks_per_seq, num_blocks, backend, keys = message
+                cache = cache_of(num_blocks)
+                if graphs is None:
+                    graphs = CudaGraphDecoder(LocalForward(model), cache, max_num_seqs, max_blocks_per_seq, backend)
+                graphs.capture(keys)
+                continue
             step = message[1]
-            if kv_cache is None or kv_cache.device.shape[2] != step.num_blocks:
-                kv_cache = None                # free the old cache before taking the new one
-                kv_cache = KVCache(config_here, step.num_blocks, num_host_blocks, config.block_size, dtype, device)
+            cache = cache_of(step.num_blocks)
             spans = [] if step.record else None
-            run_stage(model, layout, micro_batches(step.input_ids, step.positions, step.batch, step.cuts),
-                      kv_cache.device, None, spans, steps_run)
+            if step.graphed:
+                graphs.run(step.input_ids, step.positions, step.batch)
+            else:
+                run_stage(model, layout, micro_batches(step.input_ids, step.positions, step.batch, step.cuts),
+                          cache.device, None, spans, steps_run)
             steps_run += 1
             if spans is not None:
                 pipe.send(("timeline", spans))
