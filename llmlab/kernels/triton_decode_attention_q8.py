@@ -4,18 +4,19 @@ float32 scale per token per kv head.
 The same programs as `triton_decode_attention.py` (one per sequence, kv head and split;
 all query heads of the GQA group as the rows of each `tl.dot`), rebuilt for the one cost a
 full-precision cache does not have: turning codes into numbers a tensor core takes. The
-first int8 kernel converted every code with the generic int -> bf16 path (two conversion
-instructions, on a quarter-rate pipe) and was bound by it, slower than bf16 at half the
-bytes. Here:
+first int8 kernel ("legacy") wrote `codes.to(bf16)` before the dots; Triton then moved the
+conversion into the MMA operand layout and read V's codes from shared memory one byte at
+a time, and the kernel ran at 1.67 TB/s, slower than bf16 at half the bytes. Here:
 
 - The dots run in fp16 (q is rescaled by a power of two if it would overflow): every int8
   and e4m3 code is exact in fp16, and fp16 has bit tricks bf16 lacks.
-- "packed" reads four codes as one int32 and builds two fp16 pairs with one or two
-  integer ops each: for int8, `(c + 128) | 0x6400` is the fp16 1024 + 128 + c (the
-  "magic number" of FasterTransformer's int8 -> fp16); for e4m3, sign and magnitude bits
-  shift into an fp16 worth c / 256. The 1152 offset and the 1/256 are never removed
-  from the tile: they come out of the dots' results, `q.(c + 1152) = q.c + 1152 sum(q)`,
-  once per score and once per output element.
+- "packed" loads four codes as one int32 and builds two fp16 pairs with integer ops: for
+  int8, `(c + 128) | 0x6400` is the fp16 1024 + 128 + c (the "magic number" of
+  FasterTransformer's int8 -> fp16); for e4m3, sign and magnitude bits shift into an fp16
+  worth c / 256. "prmt" does the same with PTX byte permutes (int8) or the hardware's
+  e4m3x2 -> f16x2 (fp8). The 1152 offset and the 1/256 never leave the tile one code at a
+  time: they come out of the dots' results, `q.(c + 1152) = q.c + 1152 sum(q)`, once per
+  score and once per output element.
 - Scales apply once per tile: the key scales multiply the score columns (together with
   the softmax scale), the value scales the probabilities' columns, normalized by the
   tile's largest so that fp16 p stays in [0, 1].
@@ -46,6 +47,7 @@ FP8_IN_FP16_UNIT = 256.0  # an e4m3 code's bits moved into fp16 are worth c / 2^
 class Q8Config:
     """How the 8-bit decode kernel converts codes and tiles the context."""
     dequant: str        # "cast": codes.to(fp16); "magic": per code, int16 add; "packed": 4 codes per int32;
+    #                     "prmt": 4 codes per byte-permute pair (PTX; fp8: the hardware cvt);
     #                     "legacy": the first kernel (codes.to(q.dtype), in triton_decode_attention.py)
     block_n: int        # keys per tile
     num_warps: int
@@ -58,13 +60,18 @@ class Q8Config:
 
 _VARIANTS = [
     Q8Config("legacy", 64, 4, 2),            # what BENCHMARKS.md measured: the same-run baseline
-    Q8Config("cast", 64, 4, 2), Q8Config("cast", 128, 4, 2), Q8Config("cast", 128, 8, 2),
-    Q8Config("magic", 128, 4, 2), Q8Config("magic", 128, 8, 2), Q8Config("magic", 256, 8, 2),
+    Q8Config("cast", 64, 4, 2), Q8Config("cast", 128, 4, 2), Q8Config("magic", 128, 4, 2),
     Q8Config("packed", 64, 4, 2), Q8Config("packed", 128, 4, 2), Q8Config("packed", 128, 4, 3),
-    Q8Config("packed", 128, 8, 2), Q8Config("packed", 256, 8, 2), Q8Config("packed", 256, 8, 1),
+    Q8Config("packed", 256, 8, 1),
+    Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 128, 4, 2), Q8Config("prmt", 128, 4, 3),
+    Q8Config("prmt", 256, 8, 1),
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
-# Expected to win on an H200 (not yet measured): fewest instructions per code, 128-key tiles.
+# Not yet measured on a GPU. Compiled for sm_90 by Triton 3.6, the main loop of "packed" and
+# "prmt" at 128-key tiles issues 0.145 and 0.131 warp-instructions per int8 code (the first
+# kernel: 0.22; bf16: 0.10 per element), at 168 registers (three programs per SM). "prmt" is
+# inline PTX the interpreter cannot run, so the default stays "packed" until a GPU has
+# checked it (tests/test_kernels.py -m gpu).
 DEFAULT_Q8_CONFIG = "packed-n128-w4-s2"
 
 
@@ -83,16 +90,42 @@ def _fp16_from_halves(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _channel_order(offs_d, PACKED: tl.constexpr):
+    """The head-dim channel each tile column holds: packed tiles swap the middle two of
+    every four (see _load_tile). q is loaded and the output stored in this order, so the
+    dots never see the difference (a sum over channels does not depend on their order)."""
+    if PACKED:
+        return (offs_d & -4) | ((offs_d & 1) << 1) | ((offs_d >> 1) & 1)
+    return offs_d
+
+
+@triton.jit
 def _load_tile(cache_ptr, row_offs, in_seq, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                DEQUANT: tl.constexpr, IS_FP8: tl.constexpr, COMPUTE: tl.constexpr):
-    """A [BLOCK_N, HEAD_DIM] tile of codes in COMPUTE's dtype: exactly c ("cast"), or for
-    "magic"/"packed" c + 1152 (int8) or c / 256 (fp8). Rows past seq_len read as code 0."""
-    if DEQUANT == "packed":  # cache_ptr is the cache viewed as int32: 4 codes per word
+    """A [BLOCK_N, HEAD_DIM] tile of codes in COMPUTE's dtype: exactly c ("cast"; fp8
+    "prmt"), c + 1152 (int8 "magic", "packed", "prmt") or c / 256 (fp8 "magic", "packed").
+    Rows past seq_len read as code 0. "packed" tiles hold their channels in channel_order."""
+    if DEQUANT == "packed" or DEQUANT == "prmt":  # cache_ptr is the cache viewed as int32: 4 codes per word
         offs_w = tl.arange(0, HEAD_DIM // 4)
         if MASKED:
             w = tl.load(cache_ptr + row_offs[:, None] + offs_w[None, :], mask=in_seq[:, None], other=0)
         else:
             w = tl.load(cache_ptr + row_offs[:, None] + offs_w[None, :])
+    if DEQUANT == "prmt":  # PTX, GPU only: fp16 pairs of bytes (0, 1) and (2, 3), channels in order
+        if IS_FP8:  # the hardware's e4m3x2 -> f16x2 (compute capability 8.9+): exactly c
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b16 a, b; mov.b32 {a, b}, $2; "
+                "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+                "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:       # c ^ 0x80 = c + 128 under the byte 0x64: 1024 + 128 + c, two codes per byte permute
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b32 u; xor.b32 u, $2, 0x80808080; "
+                "prmt.b32 $0, u, 0x64, 0x4140; prmt.b32 $1, u, 0x64, 0x4342; }",
+                "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        tile = tl.reshape(tl.join(tl.join(_fp16_from_halves(low, 0), _fp16_from_halves(high, 0)),
+                                  tl.join(_fp16_from_halves(low, 16), _fp16_from_halves(high, 16))),
+                          (BLOCK_N, HEAD_DIM))
+    elif DEQUANT == "packed":
         # Bytes 0 and 2 of each word go to `even`'s two halves, bytes 1 and 3 to `odd`'s.
         if IS_FP8:  # sign bit to bit 15, the 7 exponent+mantissa bits to bits 7..13
             even = ((w << 8) & -2147450880) | ((w << 7) & 0x3F803F80)     # -2147450880 = 0x80008000
@@ -100,9 +133,10 @@ def _load_tile(cache_ptr, row_offs, in_seq, MASKED: tl.constexpr, BLOCK_N: tl.co
         else:       # (byte ^ 0x80) | 0x6400 per half, in one and two ops
             even = (w & 0x00FF00FF) ^ 0x64806480
             odd = ((w >> 8) & 0x00FF00FF) ^ 0x64806480
-        # word j's bytes 0, 1, 2, 3 are channels 4j .. 4j + 3
-        tile = tl.reshape(tl.join(tl.join(_fp16_from_halves(even, 0), _fp16_from_halves(even, 16)),
-                                  tl.join(_fp16_from_halves(odd, 0), _fp16_from_halves(odd, 16))),
+        # Tile column 4j + t holds word j's byte 0, 2, 1, 3 for t = 0, 1, 2, 3 (channel_order):
+        # then `even` and `odd` are already the fp16 pairs a register holds, with no repacking.
+        tile = tl.reshape(tl.join(tl.join(_fp16_from_halves(even, 0), _fp16_from_halves(odd, 0)),
+                                  tl.join(_fp16_from_halves(even, 16), _fp16_from_halves(odd, 16))),
                           (BLOCK_N, HEAD_DIM))
     else:  # cache_ptr is the codes, fp8 ones viewed as int8
         offs_d = tl.arange(0, HEAD_DIM)
@@ -192,7 +226,7 @@ def _decode_attention_q8_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = _channel_order(tl.arange(0, HEAD_DIM), DEQUANT == "packed")
     head_ok = offs_g < num_queries_per_kv  # BLOCK_G pads the group to a power of two >= 16
     heads = kv_head * num_queries_per_kv + offs_g
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
@@ -251,15 +285,17 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
     # returns out:  [num_seqs, num_heads, head_dim], q's dtype
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert config.dequant in ("cast", "magic", "packed"), config
+    assert config.dequant in ("cast", "magic", "packed", "prmt"), config
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # fp32 queries (the interpreter, tests) keep fp32 dots on exactly converted codes.
     compute = tl.float32 if q.dtype == torch.float32 else tl.float16
     dequant = config.dequant if compute == tl.float16 else "cast"
+    if dequant == "prmt" and not q.is_cuda:  # the interpreter runs no PTX: the same tile from Triton ops
+        dequant = "packed"
     bias = FP16_MAGIC_BIAS if dequant != "cast" and not is_fp8 else 0.0
-    unit = FP8_IN_FP16_UNIT if dequant != "cast" and is_fp8 else 1.0
-    if dequant == "packed":
+    unit = FP8_IN_FP16_UNIT if dequant in ("magic", "packed") and is_fp8 else 1.0
+    if dequant in ("packed", "prmt"):
         assert all(s % 4 == 0 for s in k_cache.stride()[:3]) and k_cache.storage_offset() % 4 == 0
         k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
     elif is_fp8:
