@@ -42,10 +42,19 @@ class _TorchOps(TorchDispatchMode):
         self.launches, self.active = launches, True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if self.active and not func.is_view and name not in _NO_LAUNCH:
+        if self.active and name not in _NO_LAUNCH and (not func.is_view or _copied(args, out)):
             self.launches.append(name)
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _copied(args, out) -> bool:
+    """Whether an op that may return a view (reshape, contiguous) made a copy instead."""
+    source = args[0] if args else None
+    if not (isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor)):
+        return False
+    return out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
 
 
 def _triton_function_classes():
@@ -124,14 +133,17 @@ def profile_kernels(fn) -> dict:
             "by_name": dict(names.most_common())}
 
 
-def decode_step(engine, batch_size: int, context: int):
+def decode_step(engine, batch_size: int, context: int, num_splits: int | None = None):
     """fn() running one eager decode forward of `batch_size` sequences at `context` tokens,
-    through the engine's runner (a dummy plan on an unused cache)."""
+    through the engine's runner (a dummy plan on an unused cache). `num_splits` replaces the
+    runner's flash-decoding split count (1: no split-K reduce launch)."""
     from llmlab.engine.runner import dummy_plan
 
     runner = engine.runner
-    inputs = runner.prepare(dummy_plan(engine.config.block_size, decodes=[context] * batch_size))
-    return lambda: runner.forward(*inputs, eager=True)
+    input_ids, positions, batch = runner.prepare(dummy_plan(engine.config.block_size, decodes=[context] * batch_size))
+    if num_splits is not None:
+        batch.num_splits = num_splits
+    return lambda: runner.forward(input_ids, positions, batch, eager=True)
 
 
 def per_layer(launches: list[str], num_layers: int) -> dict:
@@ -148,19 +160,20 @@ def per_layer(launches: list[str], num_layers: int) -> dict:
     return {"per_layer": layer, "per_layer_total": len(layer), "outside_layers": dict(+outside)}
 
 
-def measure(engine, batch_sizes, context) -> list[dict]:
+def measure(engine, batch_sizes, context, num_splits=None) -> list[dict]:
     from llmlab.bench.single_forward import _time_cuda
 
     backend, num_layers = engine.runner.backend, engine.runner.model_config.num_layers
     rows = []
     for batch_size in batch_sizes:
-        step = decode_step(engine, batch_size, context)
+        step = decode_step(engine, batch_size, context, num_splits)
         for variant in ("fused", "unfused"):
             with unfused(backend) if variant == "unfused" else contextlib.nullcontext():
                 step()                       # compile / warm up outside the count
                 with count_launches() as launches:
                     step()
                 row = {"batch_size": batch_size, "context": context, "variant": variant, "backend": backend,
+                       "num_splits": num_splits or engine.runner.num_splits(batch_size, context),
                        "num_layers": num_layers, "launches": len(launches), **per_layer(launches, num_layers),
                        "sequence": launches}
                 if torch.cuda.is_available():
@@ -220,22 +233,25 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=None, help="override the layer count")
     parser.add_argument("--backend", default=None, help="kernel backend (default: the device's; on a CPU, "
                                                         "'triton' counts the GPU's launch sequence)")
-    parser.add_argument("--out", required=True, help="a directory: launches.json goes there")
+    parser.add_argument("--num-splits", type=int, default=None,
+                        help="flash-decoding splits (default: the runner's choice; 1: no split-K reduce)")
+    parser.add_argument("--out", required=True, help="a directory: launches.json (launches_splits<N>.json) goes there")
     args = parser.parse_args(argv)
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     shape = args.shape or ("8b" if torch.cuda.is_available() else "small")
     engine = random_engine(shape, args.layers, batch_sizes, args.context, args.backend)
-    rows = measure(engine, batch_sizes, args.context)
+    rows = measure(engine, batch_sizes, args.context, args.num_splits)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "launches.json").write_text(json.dumps(rows, indent=1))
+    name = "launches.json" if args.num_splits is None else f"launches_splits{args.num_splits}.json"
+    (out / name).write_text(json.dumps(rows, indent=1))
     for row in rows:
         extra = ""
         if "graph_profile" in row:
             p = row["graph_profile"]
             extra = (f"; in a graph: {p['kernels']} GPU kernels, busy {p['busy_us'] / 1000:.3f} ms, "
                      f"gaps {p['gaps_us'] / 1000:.3f} ms; eager {row['eager_ms']:.3f} ms, graph {row['graph_ms']:.3f} ms")
-        print(f"batch {row['batch_size']:3} {row['variant']:8} {row['launches']:4} launches, "
+        print(f"batch {row['batch_size']:3} {row['variant']:8} splits {row['num_splits']} {row['launches']:4} launches, "
               f"{row['per_layer_total']} per layer: {' '.join(row['per_layer'])}; "
               f"outside the layers: {row['outside_layers']}{extra}")
     return rows
