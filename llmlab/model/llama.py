@@ -3,8 +3,8 @@
 A batch holds the new tokens of several sequences back to back: first every prefill
 chunk, then one token per decoding sequence. Each layer is
 
-    rms_norm -> qkv -> rope -> store_kv -> attention -> o_proj -> rms_norm(+residual)
-             -> gate_up -> silu_mul -> down
+    rms_norm(+residual) -> qkv -> rope + store_kv (one kernel, `rope_store_kv`) -> attention
+                        -> o_proj -> rms_norm(+residual) -> gate_up -> silu_mul -> down
 
 built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton: the
 batch's `backend`, chosen by the engine's runner) or a single kernel changes what runs
