@@ -414,7 +414,7 @@ def test_quantized_decode_attention(backend, cache_dtype, dtype, num_heads, num_
 # The 8-bit decode kernel's conversions, each at the tile sizes it is run with (the
 # interpreter ignores warps and stages), over lengths that end inside, at and just past a
 # tile, in the block sizes the engine uses. fp16 queries take the fp16 dots of a GPU.
-Q8_VARIANTS = ["legacy-n64-w4-s2", "cast-n64-w4-s2", "cast-n128-w4-s2", "magic-n128-w4-s2",
+Q8_VARIANTS = ["legacy-n64-w4-s2", "cast-n64-w4-s2", "magic-n128-w4-s2",
                "packed-n64-w4-s2", "packed-n128-w4-s2", "packed-n256-w8-s1",
                "prmt-n128-w4-s2"]   # (on a CPU "prmt" runs "packed"'s Triton ops in place of its PTX)
 Q8_LENGTHS = [1, 127, 129, 256, 280, 64]

@@ -60,18 +60,19 @@ class Q8Config:
 
 _VARIANTS = [
     Q8Config("legacy", 64, 4, 2),            # what BENCHMARKS.md measured: the same-run baseline
-    Q8Config("cast", 64, 4, 2), Q8Config("cast", 128, 4, 2), Q8Config("magic", 128, 4, 2),
-    Q8Config("packed", 64, 4, 2), Q8Config("packed", 128, 4, 2), Q8Config("packed", 128, 4, 3),
+    Q8Config("cast", 64, 4, 2), Q8Config("magic", 128, 4, 2),
+    Q8Config("packed", 64, 4, 2), Q8Config("packed", 128, 4, 2), Q8Config("packed", 128, 2, 2),
     Q8Config("packed", 256, 8, 1),
-    Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 128, 4, 2), Q8Config("prmt", 128, 4, 3),
-    Q8Config("prmt", 256, 8, 1),
+    Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 64, 2, 2), Q8Config("prmt", 128, 4, 2),
+    Q8Config("prmt", 128, 4, 3), Q8Config("prmt", 128, 2, 2), Q8Config("prmt", 256, 8, 1),
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
 # Not yet measured on a GPU. Compiled for sm_90 by Triton 3.6, the main loop of "packed" and
-# "prmt" at 128-key tiles issues 0.145 and 0.131 warp-instructions per int8 code (the first
-# kernel: 0.22; bf16: 0.10 per element), at 168 registers (three programs per SM). "prmt" is
-# inline PTX the interpreter cannot run, so the default stays "packed" until a GPU has
-# checked it (tests/test_kernels.py -m gpu).
+# "prmt" at 128-key tiles and 4 warps issues 0.145 and 0.131 warp-instructions per int8 code
+# (the first kernel: 0.22; bf16: 0.10 per element) at 168 registers, three programs per SM;
+# 2 warps issue fewer (0.13, 0.12) with fewer warps to hide latency. "prmt" is inline PTX the
+# interpreter cannot run, so the default stays "packed" until a GPU has checked it
+# (tests/test_kernels.py -m gpu) and timed it (llmlab bench decode-variants).
 DEFAULT_Q8_CONFIG = "packed-n128-w4-s2"
 
 
