@@ -94,14 +94,18 @@ class Sampler:
                               torch.tensor(seeds, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                               backend=self.backend)
 
-    def warm_up(self, vocab_size: int, device, dtype) -> None:
-        """Compile the sampling kernels now (one call takes every branch: top-k, top-p, min-p,
-        and rows without top-k, which the Triton sampler draws by rejection rounds), not
-        inside the first request's step."""
-        logits = torch.zeros(3, vocab_size, device=device, dtype=dtype)
-        params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01),
-                  SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01), SamplingParams()]
-        self(logits, params, [0, 1, 2], [0, 0, 0]).tolist()
+    def warm_up(self, vocab_size: int, device, dtype, max_rows: int = 3) -> None:
+        """Compile the sampling kernels now, not inside a request's step: for every row count
+        up to `max_rows` (the kernel's chunking and its graphs follow the batch), one call
+        that takes every branch (top-k, top-p, min-p, and rows without top-k, which the
+        Triton sampler draws by rejection rounds)."""
+        sampled = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01),
+                   SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01)]
+        for rows in range(1, max(max_rows, 3) + 1):
+            logits = torch.zeros(rows, vocab_size, device=device, dtype=dtype)
+            # with and without greedy rows: on a GPU, the two graphs of this batch size
+            for params in ((sampled * rows)[:rows], (sampled * rows)[:rows - 1] + [SamplingParams()]):
+                self(logits, params, list(range(rows)), [0] * rows).tolist()
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

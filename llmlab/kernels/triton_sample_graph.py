@@ -1,13 +1,15 @@
-"""The Triton sampler's launches replayed as one CUDA graph per (batch bucket, passes).
+"""The Triton sampler's launches replayed as one CUDA graph per batch bucket.
 
 A top-p call is about ten kernel launches and a few small tensor ops: ~1.5 ms of Python on
 the host for ~0.25 ms of GPU work (llmlab bench sampler). Captured once per shape, a call
 is a copy of the logits into a static buffer, one host->device copy of the row
 parameters, and a replay. Batches are padded to a bucket (rows past the batch are greedy
-and cost an argmax), so a run of changing batch sizes captures a few dozen graphs, each
-once, the first time its bucket and pass set are seen. Graphs share one memory pool and
-one logits buffer: they replay one at a time on one stream, and each call's tokens are
-copied out before the next replay can overwrite them.
+padding), and a graph holds every pass, whatever the batch asks for: a pass no row needs
+exits at once (~2 us of GPU), which is cheaper than one graph per set of passes, and keeps
+the graphs few enough (two per bucket: with an argmax for greedy rows or without) for the
+engine's warm-up to capture them all (`Sampler.warm_up`), so none is captured mid-run.
+Graphs share one memory pool and one logits buffer: they replay one at a time on one
+stream, and each call's tokens are copied out before the next replay can overwrite them.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ def _capture(device, dtype, V, rows, flags) -> _Graph:
 def graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, positions):
     S, V = logits.shape
     rows = bucket(S)
+    flags = (True, True, True, flags[3])       # every pass; an argmax only if a row is greedy
     key = (logits.device, logits.dtype, V, rows, flags)
     _static_logits(logits.device, logits.dtype, V, rows)          # may drop stale graphs first
     entry = _graphs.get(key)
