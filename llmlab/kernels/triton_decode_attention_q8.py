@@ -52,10 +52,12 @@ class Q8Config:
     block_n: int        # keys per tile
     num_warps: int
     num_stages: int
+    max_registers: int | None = None   # ptxas's cap per thread (maxnreg): 128 fits 4 programs of 4 warps per SM
 
     @property
     def name(self) -> str:
-        return f"{self.dequant}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+        cap = f"-r{self.max_registers}" if self.max_registers else ""
+        return f"{self.dequant}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}{cap}"
 
 
 _VARIANTS = [
@@ -65,6 +67,7 @@ _VARIANTS = [
     Q8Config("packed", 256, 8, 1),
     Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 64, 2, 2), Q8Config("prmt", 128, 4, 2),
     Q8Config("prmt", 128, 4, 3), Q8Config("prmt", 128, 2, 2), Q8Config("prmt", 256, 8, 1),
+    Q8Config("prmt", 64, 4, 2, 128), Q8Config("prmt", 128, 4, 1, 128),  # 4 programs per SM
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
 # Not yet measured on a GPU. Compiled for sm_90 by Triton 3.6, the main loop of "packed" and
@@ -321,6 +324,7 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
         BLOCK_N=config.block_n, SPLIT=split, DEQUANT=dequant, IS_FP8=is_fp8, COMPUTE=compute,
         BIAS=bias, UNIT=unit, DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"maxnreg": config.max_registers} if config.max_registers and q.is_cuda else {}),
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_heads)](
