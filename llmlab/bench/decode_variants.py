@@ -56,7 +56,7 @@ def _timer(device):
     return cpu_time
 
 
-def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 4), cache_dtypes=None,
+def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 2, 4), cache_dtypes=None,
         num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device=None) -> dict:
     """Time the bf16 (fp16 on a CPU) kernel and every named 8-bit config on each
     (batch, context) shape; print a table, return {"device", "rows", "best"} (also as
@@ -82,6 +82,10 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
           f"triton {__import__('triton').__version__}, heads {num_heads}/{num_kv_heads} x {head_dim}, "
           f"block size {block_size}\n{header}", flush=True)
 
+    header_info = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+                   "triton": __import__("triton").__version__, "heads": [num_heads, num_kv_heads, head_dim],
+                   "block_size": block_size}
+
     def measure(row, make_call, num_bytes, expected, baseline_ms=None):
         """Fill row with the timing, the speed-up over baseline_ms and the error against
         `expected`, or with the error message."""
@@ -97,6 +101,9 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
         except Exception as error:  # noqa: BLE001 -- a variant that does not compile here is a finding
             row["error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
+        if out_path:  # after every row, so a run cut short still leaves what it measured
+            with open(out_path, "w") as f:
+                json.dump({**header_info, "rows": rows}, f, indent=1)
         rate = f"{row['ms']:.4f} | {row['tb_s']}" if "ms" in row else f"failed: {row['error'][:80]} |"
         print(f"| {row['variant']} | {row['cache']} | {row['batch']}x{row['context']} | {row['num_splits']} | {rate} "
               f"| {row.get('speedup_vs_bf16', '')} | {row.get('max_abs_err', '')}{'' if row.get('ok', True) else ' NOT OK'} |",
@@ -157,9 +164,7 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     print("fastest correct variant per cache and shape:")
     for key, row in best.items():
         print(f"  {key}: {row}")
-    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-              "triton": __import__("triton").__version__,
-              "heads": [num_heads, num_kv_heads, head_dim], "block_size": block_size, "rows": rows, "best": best}
+    result = {**header_info, "rows": rows, "best": best}
     if out_path:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
@@ -174,7 +179,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--shapes", default="64x4096,64x512", help="BATCHxCONTEXT,... (default: %(default)s)")
     parser.add_argument("--configs", default=None, help="comma-separated Q8_CONFIGS names (default: all)")
-    parser.add_argument("--splits", default="1,4", help="num_splits to run each variant with (default: %(default)s)")
+    parser.add_argument("--splits", default="1,2,4", help="num_splits to run each variant with (default: %(default)s)")
     parser.add_argument("--cache-dtypes", default=None, help="int8,fp8 (default: those the device converts)")
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
