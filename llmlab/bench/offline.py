@@ -5,7 +5,8 @@ lengths, EOS ignored; output tokens/s for llmlab, and for HF transformers' batch
 What users run is measured too: sampling settings (--temperature/--top-p/--top-k/--min-p/
 --seed, and more settings side by side with --compare), prefix caching on and off in the
 same process (--compare-prefix-caching), and prompts that share a prefix (--prefix-len,
---num-prefixes)."""
+--num-prefixes). --compare-async-scheduling runs every setting with the engine's steps one at
+a time, then overlapped (EngineConfig.async_scheduling), on the same engine."""
 from __future__ import annotations
 
 import json
@@ -41,6 +42,9 @@ def add_arguments(parser) -> None:
                           help='more settings, e.g. greedy "temperature=0.7,top_p=0.9" "temperature=0.7,top_p=0.9,seed=1"')
     parser.add_argument("--compare-prefix-caching", action="store_true",
                         help="run every setting with prefix caching off, then on")
+    parser.add_argument("--compare-async-scheduling", action="store_true",
+                        help="run every setting with async scheduling off, then on (the same engine: "
+                             "it reads engine.async_scheduling every step)")
     parser.add_argument("--warmup", choices=["full", "light"], default="full",
                         help="before timing, run the whole workload once (full) or one short request "
                              "(light). A first pass is slower on both devices: on a GPU it compiles "
@@ -120,6 +124,7 @@ def run_llmlab(llm, requests, setting: dict) -> dict:
     params = [SamplingParams(max_tokens=n, ignore_eos=True, **setting) for _, n in requests]
     warm_up(llm, requests, setting, full=False)       # this setting's own kernels
     llm.engine.block_manager.reset_prefix_cache()     # each setting starts from a cold cache
+    dropped = llm.engine.num_dropped_tokens
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in requests], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -128,6 +133,8 @@ def run_llmlab(llm, requests, setting: dict) -> dict:
     stats = llm.engine.kv_stats()
     return {"impl": "llmlab", "sampling": describe(setting),
             "prefix_caching": llm.engine.config.enable_prefix_caching,
+            "async_scheduling": llm.engine.async_scheduling,
+            "dropped_tokens": llm.engine.num_dropped_tokens - dropped,
             "prefix_hit_rate": stats["prefix_hit_rate"], "seconds": elapsed, "output_tokens": tokens,
             "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": tokens / elapsed}
 
@@ -215,8 +222,11 @@ def main(args) -> list[dict]:
         vocab = engine.model_config.vocab_size
         requests = workload(args, vocab)
         warm_up(llm, requests, settings[0], full=args.warmup == "full")
+        overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
-            results.append(run_llmlab(llm, requests, setting))
+            for overlap in overlaps:
+                engine.async_scheduling = overlap   # read every step, so it may change between runs
+                results.append(run_llmlab(llm, requests, setting))
         del llm, engine
         gc.collect()
         if meta[1] == "cuda":
@@ -228,12 +238,14 @@ def main(args) -> list[dict]:
     name = machine_name(device)
     shared = f", prompts share {args.num_prefixes} prefix(es) of {args.prefix_len} tokens" if args.prefix_len else ""
     print(f"\n{args.num_requests} requests on {name} ({dtype}, {backend} kernels{shared})")
-    print("| impl | sampling | prefix caching | seconds | req/s | output tok/s | vs first row |\n|---|---|---|---|---|---|---|")
+    print("| impl | sampling | prefix caching | async scheduling | seconds | req/s | output tok/s | vs first row |\n"
+          "|---|---|---|---|---|---|---|---|")
     first = results[0]["output_tokens_per_s"]
     for r in results:
         r.update(device=name, dtype=str(dtype))
         caching_cell = {True: f"on (hit rate {r.get('prefix_hit_rate', 0):.2f})", False: "off"}.get(r.get("prefix_caching"), "")
-        print(f"| {r['impl']} | {r.get('sampling', 'greedy')} | {caching_cell} | {r['seconds']:.2f} | "
+        overlap_cell = {True: "on", False: "off"}.get(r.get("async_scheduling"), "")
+        print(f"| {r['impl']} | {r.get('sampling', 'greedy')} | {caching_cell} | {overlap_cell} | {r['seconds']:.2f} | "
               f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / first:.3f} |")
     if args.hf:
         print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[-1]['output_tokens_per_s']:.2f}x")

@@ -54,7 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
         self.sampler = Sampler(config.seed, self.backend)
         if self.device.type == "cuda" and self.backend == "triton":
-            self.sampler.warm_up(self.model_config.vocab_size, self.device, self.dtype)
+            self.sampler.warm_up(self.model_config.vocab_size, self.device, self.dtype, config.max_num_seqs)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
         # overlap steps (in_flight.py); a hook, kernel timing or model.capture() runs them one at a time
@@ -156,7 +156,7 @@ class LLMEngine:
         timings["schedule"], clock = time.perf_counter() - clock, time.perf_counter()
         self.runner.swap(plan.swap_out_copies, plan.swap_in_copies)
         timings["swap"], clock = time.perf_counter() - clock, time.perf_counter()
-        launched = self._launch(plan, timings, clock)
+        launched = self._launch(plan, timings, clock, overlapped=not synchronous)
         previous = self._take_in_flight()
         if previous is not None:      # the device is busy with `launched` meanwhile
             outputs += self._complete(previous)
@@ -168,7 +168,7 @@ class LLMEngine:
         self.step_index += 1
         return outputs
 
-    def _launch(self, plan: Plan, timings: dict, clock: float) -> InFlightStep:
+    def _launch(self, plan: Plan, timings: dict, clock: float, overlapped: bool) -> InFlightStep:
         """Prepare, forward and sample the plan; the tokens stay on the device. Requests whose
         newest token is still in flight take it from the step in flight's tensor."""
         requests = [item.request for item in plan.sampling_items]
@@ -187,8 +187,7 @@ class LLMEngine:
                 sampled = self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
                                        [len(r.output_token_ids) for r in requests])
             timings["sample"], clock = self._lap(clock)
-        return InFlightStep(plan, requests, sampled, timings, kernel_timings, index=self.step_index,
-                            overlapped=self.async_scheduling and not self.hooks.active)
+        return InFlightStep(plan, requests, sampled, timings, kernel_timings, self.step_index, overlapped)
 
     def _take_in_flight(self) -> InFlightStep | None:
         step, self._in_flight = self._in_flight, None
