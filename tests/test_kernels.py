@@ -313,6 +313,7 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 32768) > 8          # 8 programs would leave most SMs idle
     assert choose_num_splits(4, 8, 32768) < choose_num_splits(1, 8, 32768)
     assert choose_num_splits(0, 8, 4096) == 1
+    assert choose_num_splits(64, 8, 4096, programs_per_sm=16) == 4     # the 8-bit kernel splits more
 
 
 # ----------------------------------------------------------------------------- quantized KV cache

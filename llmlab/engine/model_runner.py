@@ -160,7 +160,8 @@ class ModelRunner:
             return 1
         from llmlab.kernels.triton_decode_attention import choose_num_splits
 
-        splits = choose_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms)
+        splits = choose_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms,
+                                   programs_per_sm=4 if self.config.kv_cache_dtype == "auto" else 16)
         return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):
