@@ -226,7 +226,9 @@ class Scheduler:
         """1. One token for every decoding request, preempting the lowest-priority running
         request when out of blocks."""
         for request in list(self.running):
-            if request not in self.running or request.is_prefilling:
+            # a request preempted by an earlier one's _make_room is no longer RUNNING (the
+            # status, not `in self.running`: O(1), and this loop runs every step)
+            if request.status != RequestStatus.RUNNING or request.is_prefilling:
                 continue
             if request.token_pending and self.at_length_limit(request):
                 continue    # its token in flight is its last: resolve() finishes it
