@@ -145,8 +145,9 @@ class LLMEngine:
         schedule -> swap -> runner (prepare, forward) -> sample -> scheduler.update -> outputs.
         With async scheduling the step launched here is completed by the next call, after
         it has launched its own: the outputs are those of the step before (in_flight.py)."""
+        # parallel workers run each step in lockstep with this process (their own loop)
         synchronous = (not self.async_scheduling or self.hooks.active or self.kernel_timing
-                       or self.model.taps is not None)
+                       or self.model.taps is not None or self.runner.executor is not None)
         outputs = []
         if synchronous and self._in_flight is not None:   # e.g. a hook was just attached
             outputs += self._complete(self._take_in_flight())
