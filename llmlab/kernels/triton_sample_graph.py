@@ -27,6 +27,12 @@ class _Graph:
     ints: torch.Tensor          # [2, rows]
     tokens: torch.Tensor        # [rows] the graph's output
     scratch: list               # keeps the graph's scratch memory alive
+    # pinned host copies of (floats, ints) and the event of their last upload, taking turns:
+    # a fresh pinned tensor per call costs a cudaHostAlloc whenever the host allocator's
+    # cache meets a new size (the first steps of a run), and a slot is reused only once
+    # its copy has run
+    staging: list
+    turn: int = 0
 
 
 _graphs: dict = {}
@@ -67,7 +73,9 @@ def _capture(device, dtype, V, rows, flags) -> _Graph:
     with torch.cuda.graph(graph, pool=_pool.get(device)):
         tokens = ts.launch(logits, floats, ints, flags, scratch)
     _pool[device] = graph.pool()
-    return _Graph(graph, floats, ints, tokens, scratch)
+    staging = [(torch.empty_like(floats, device="cpu").pin_memory(), torch.empty_like(ints, device="cpu").pin_memory(),
+                torch.cuda.Event()) for _ in range(2)]
+    return _Graph(graph, floats, ints, tokens, scratch, staging)
 
 
 def graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, positions):
@@ -81,7 +89,13 @@ def graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, posit
         entry = _graphs[key] = _capture(logits.device, logits.dtype, V, rows, flags)
     _logits[key[:3]][:S].copy_(logits)
     floats, ints = ts.pack(temperature, top_k, top_p, min_p, seeds, positions, rows=rows)
-    entry.floats.copy_(floats.pin_memory(), non_blocking=True)
-    entry.ints.copy_(ints.pin_memory(), non_blocking=True)
+    host_floats, host_ints, uploaded = entry.staging[entry.turn]
+    entry.turn ^= 1
+    uploaded.synchronize()                      # this slot's previous upload has run
+    host_floats.copy_(floats)
+    host_ints.copy_(ints)
+    entry.floats.copy_(host_floats, non_blocking=True)
+    entry.ints.copy_(host_ints, non_blocking=True)
+    uploaded.record()
     entry.graph.replay()
     return entry.tokens[:S].clone()
