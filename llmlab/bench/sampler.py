@@ -54,10 +54,11 @@ def main(args) -> list[dict]:
 
     from llmlab import SamplingParams
     from llmlab.bench.offline import machine_name
+    from llmlab.model.llama import LOGITS_DTYPE
     from llmlab.sampling import Sampler
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = LOGITS_DTYPE   # what the engine's model hands the sampler, on every device
     sampler = Sampler(backend=args.backend)
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:

@@ -24,7 +24,7 @@ from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
 from llmlab import kernels
-from llmlab.model.llama import LlamaModel
+from llmlab.model.llama import LOGITS_DTYPE, LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
@@ -54,7 +54,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
         self.sampler = Sampler(config.seed, self.backend)
         if self.device.type == "cuda" and self.backend == "triton":
-            self.sampler.warm_up(self.model_config.vocab_size, self.device, self.dtype, config.max_num_seqs)
+            # the logits' dtype, not the weights': a graph captured for bf16 logits is never replayed
+            self.sampler.warm_up(self.model_config.vocab_size, self.device, LOGITS_DTYPE, config.max_num_seqs)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
         # overlap steps (in_flight.py); a hook, kernel timing or model.capture() runs them one at a time

@@ -29,6 +29,10 @@ from llmlab import kernels
 from llmlab.config import ModelConfig
 from llmlab.model.dense import linear
 
+# Logits leave the model in float32, whatever the weights' dtype: the sampler's softmax and
+# top-p cut read them, and the engine warms the sampler up on this dtype.
+LOGITS_DTYPE = torch.float32
+
 
 @dataclass
 class ForwardBatch:
@@ -106,7 +110,7 @@ class LlamaModel:
         else:
             last, _ = kernels.rms_norm(hidden[idx], self.norm, eps, residual[idx], backend=batch.backend)
         self._tap("norm", last)
-        logits = self.logits(last).float()
+        logits = self.logits(last).to(LOGITS_DTYPE)
         self._tap("logits", logits)
         return logits
 
