@@ -109,6 +109,7 @@ BENCHMARKS = {
     "simulate": "llmlab.bench.simulate",
     "head-of-line": "llmlab.bench.head_of_line",
     "sampler": "llmlab.bench.sampler",
+    "gemv": "llmlab.bench.gemv",
 }
 
 

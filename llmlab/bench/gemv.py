@@ -1,0 +1,92 @@
+"""gemv: one row times each weight of the Llama-3-8B shape (a batch-1 decode step's matrix
+products), cuBLAS against the Triton GEMV's variants, in TB/s of weight bytes.
+
+Each weight is copied until the copies outgrow the L2 cache, and the calls cycle through
+them inside one CUDA graph, as a decode step's layers do: what is timed is weights coming
+from HBM, without launch gaps. Every variant's result is checked against F.linear.
+
+    llmlab bench gemv                                   # the H200: all variants
+    llmlab bench gemv --shapes 256x512 --configs n16-k512-w4-s2   # CPU: the interpreter, a check
+"""
+from __future__ import annotations
+
+import json
+
+LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+                    "down": (4096, 14336), "lm_head": (128256, 4096)}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shapes", default=None, help="comma-separated NxK (default: Llama-3-8B's five)")
+    parser.add_argument("--configs", default=None, help="comma-separated GEMV_CONFIGS names (default: all)")
+    parser.add_argument("--rows", default="1", help="rows of x for cuBLAS (the Triton GEMV takes 1)")
+    parser.add_argument("--out", default=None)
+
+
+def _graph_time_ms(calls, repeats=10) -> float:
+    """Milliseconds per call of `calls` (a list of thunks) replayed as one CUDA graph."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:   # warm-up: compiles, cuBLAS workspace
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats / len(calls)
+
+
+def main(args) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from llmlab.kernels.triton_gemv import GEMV_CONFIGS, gemv
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shapes = ({f"{s}": tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
+              if args.shapes else LLAMA3_8B_SHAPES)
+    configs = [GEMV_CONFIGS[name] for name in args.configs.split(",")] if args.configs else list(GEMV_CONFIGS.values())
+    rows = [int(r) for r in args.rows.split(",")]
+    gen = torch.Generator(device=device).manual_seed(0)
+    results = []
+    for label, (n, k) in shapes.items():
+        copies = max(2, -(-4 * 50 * 2**20 // (n * k * 2))) if cuda else 1   # 4x a 50 MB L2
+        weights = [torch.randn(n, k, generator=gen, device=device).mul_(0.02).to(dtype) for _ in range(copies)]
+        nbytes = n * k * weights[0].element_size()
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+            expected = F.linear(x, weights[0])
+            methods = [("cublas", lambda w, x=x: F.linear(x, w))]
+            if m == 1:
+                methods += [(f"triton {c.name}", lambda w, x=x, c=c: gemv(x, w, c)) for c in configs]
+            for name, fn in methods:
+                got = fn(weights[0])
+                err = (got.float() - expected.float()).abs().max().item()
+                scale = expected.float().abs().max().item()
+                row = {"shape": label, "n": n, "k": k, "rows": m, "method": name, "max_abs_err": err,
+                       "ok": err <= 2e-2 * scale + 1e-3}
+                if cuda:
+                    ms = _graph_time_ms([lambda w=w, fn=fn: fn(w) for w in weights] * 3)
+                    row.update(ms=ms, tb_s=nbytes / ms / 1e9)
+                results.append(row)
+                print(f"{label:8} {n:>6}x{k:<6} rows {m:>3} {name:28} "
+                      + (f"{row['ms'] * 1000:8.1f} us {row['tb_s']:5.2f} TB/s " if cuda else "")
+                      + f"err {err:.2e}{'' if row['ok'] else '  MISMATCH'}", flush=True)
+        del weights
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
