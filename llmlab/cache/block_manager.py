@@ -17,7 +17,7 @@ from llmlab.request import Request
 
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = True):   # EngineConfig's default
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
