@@ -1,6 +1,8 @@
 """The engine loop's rooms: the ModelRunner runs plans (dummy ones too) and returns one
 logits row per sampling item; Scheduler.update does the post-step bookkeeping on its own
 (computed tokens, full-block hashes, tokens, token-level stops, freed blocks), with no model."""
+import zlib
+
 import pytest
 import torch
 
@@ -129,7 +131,9 @@ def scheduler_with(num_blocks=32, eos=(), **overrides):
 
 
 def add(scheduler, request_id, length, **params):
-    request = Request(request_id, None, prompt(length, len(request_id)), SamplingParams(**params))
+    # a prompt of its own per id: with prefix caching (on by default) two requests with one
+    # prompt would share blocks, and the second would wait a step for the first's
+    request = Request(request_id, None, prompt(length, zlib.crc32(request_id.encode())), SamplingParams(**params))
     scheduler.add(request)
     return request
 
@@ -163,6 +167,8 @@ def test_update_finishes_requests_and_frees_their_blocks():
     assert all(r.status == RequestStatus.FINISHED and not r.block_table for r in outcome.finished)
     assert sorted(outcome.freed_blocks) == sorted(blocks["eos"] + blocks["stop-id"] + blocks["len"])
     assert scheduler.running == [ignores_eos] and not ignores_eos.finished
+    # each finished prompt's full block stays in the prefix cache, and still counts as free
+    assert len(scheduler.blocks.evictable) == 3
     assert scheduler.blocks.num_free_blocks == 32 - len(ignores_eos.block_table)
 
 
