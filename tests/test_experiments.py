@@ -298,7 +298,10 @@ def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
     assert cost.meta["num_gpu_blocks"] == 512 and cost.meta["fit"]["num_steps"] > 0
     assert Result.load(tmp_path / "predict_simulated.json").summary()["num_finished"] == 8
     trace = calibrate.load_trace(tmp_path / "fit_trace.json.gz")
-    assert len(trace.added) == 12 and CostModel.fit(trace).coefficients == cost.coefficients   # refits the same
+    # the tiny preset profiles its matrix products: the model keeps the profile, and refits the same from it
+    assert cost.profile is not None and cost.profile.rows[-1] == report["options"]["max_num_batched_tokens"]
+    assert len(trace.added) == 12 and CostModel.fit(trace, profile=cost.profile).coefficients == cost.coefficients
+    assert report["without_profile"]["cost_model"]["coefficients"] == CostModel.fit(trace).coefficients
 
 
 def test_figures_draw_what_the_results_hold():

@@ -8,6 +8,12 @@ block tables: `load_trace`), cost_model.json (`CostModel.load`), predict_measure
 predict_simulated.json (`Result.load`) and report.json (the fit, the measured and simulated
 summaries, their relative errors).
 
+On a CPU the command first profiles the model's matrix products at every row count
+(`DenseProfile`, a few seconds) and fits the cost model's `dense` term on it: oneDNN's
+kernels make a CPU step's time jump with its number of rows, which no straight line fits.
+report.json then also holds what the model without the profile would have predicted
+("without_profile"), on the same measured run. `--no-dense-profile` turns it off.
+
 Presets (any option below overrides its value):
   h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3-4 minutes on an H200)
   cpu   the embedded SmolLM2-135M, small workloads (~2 minutes on a 2-core laptop)
@@ -15,6 +21,7 @@ Presets (any option below overrides its value):
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gzip
 import json
@@ -29,11 +36,11 @@ PRESETS = {
                  fit_requests=500, fit_rate=10.0, fit_cv=3.0, fit_prompt_len="32,1536", fit_output_len="16,512",
                  predict_requests=400, predict_rate=8.0, predict_cv=1.0, predict_prompt_len="16,1024",
                  predict_output_len="32,384"),
-    "cpu": dict(model="embedded", threads=1, max_num_seqs=16, max_num_batched_tokens=256,
+    "cpu": dict(model="embedded", threads=1, dense_profile=True, max_num_seqs=16, max_num_batched_tokens=256,
                 fit_requests=48, fit_rate=1.0, fit_cv=3.0, fit_prompt_len="16,256", fit_output_len="8,48",
                 predict_requests=40, predict_rate=0.7, predict_cv=1.0, predict_prompt_len="8,160",
                 predict_output_len="16,64"),
-    "tiny": dict(model="random-tiny", max_num_seqs=16, max_num_batched_tokens=64,
+    "tiny": dict(model="random-tiny", dense_profile=True, max_num_seqs=16, max_num_batched_tokens=64,
                  fit_requests=30, fit_rate=200.0, fit_cv=3.0, fit_prompt_len="4,60", fit_output_len="2,24",
                  predict_requests=30, predict_rate=150.0, predict_cv=1.0, predict_prompt_len="4,40",
                  predict_output_len="4,32"),
@@ -55,6 +62,9 @@ def add_arguments(parser) -> None:
                             help="lengths are LOW,HIGH (uniform); rates are requests/s" if "len" in name else None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's, "
                         "else torch's)")
+    parser.add_argument("--dense-profile", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile the matrix products by rows and fit the cost model's dense term on it "
+                             "(default: the preset's; on for cpu and tiny)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", action="store_true",
                         help="run the second workload twice: how far two real runs are apart is the floor "
@@ -63,7 +73,7 @@ def add_arguments(parser) -> None:
 
 def _options(args) -> dict:
     options = dict(PRESETS[args.preset])
-    for key in [*options, "threads"]:
+    for key in [*options, "threads", "dense_profile"]:
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
     for key in [k for k in options if k.endswith("_len")]:
@@ -99,6 +109,7 @@ def calibrate(args) -> dict:
     import torch
 
     from llmlab.experiments import CostModel, Workload, run, simulate
+    from llmlab.experiments.dense_profile import DenseProfile
     from llmlab.experiments.result import step_durations
 
     options = _options(args)
@@ -113,8 +124,14 @@ def calibrate(args) -> dict:
     predict = Workload.gamma(options["predict_requests"], options["predict_rate"], options["predict_cv"],
                              options["predict_prompt_len"], options["predict_output_len"], seed=args.seed + 1,
                              vocab_size=vocab)
-    _progress(f"engine ready; running the first workload ({len(fit)} requests over {fit.duration:.0f} s)")
     load = [os.getloadavg()[0]]     # other jobs on the machine make step times noisy: say how busy it was
+    profile, profile_seconds = None, 0.0
+    if options.get("dense_profile"):
+        _progress("profiling the matrix products by rows")
+        start = time.perf_counter()
+        profile = DenseProfile.measure(engine.model, options["max_num_batched_tokens"], options["max_num_seqs"])
+        profile_seconds = time.perf_counter() - start
+    _progress(f"engine ready; running the first workload ({len(fit)} requests over {fit.duration:.0f} s)")
     start = time.perf_counter()
     fitted = run(fit, engine)
     fit_seconds = time.perf_counter() - start
@@ -124,9 +141,13 @@ def calibrate(args) -> dict:
                                       f"{options['fit_rate']}/s, "
                                       f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}")
     save_trace(fitted.trace, os.path.join(args.out, "fit_trace.json.gz"))
-    cost_model = CostModel.fit(fitted.trace)
-    cost_model.meta.update(recorded_on=fitted.trace.meta["recorded_on"], date=fitted.trace.meta["date"],
-                           recorded_with=f"llmlab bench calibrate --preset {args.preset}")
+    cost_model = CostModel.fit(fitted.trace, profile=profile)
+    # the same fit without the profile: what it adds, judged on the same measured run
+    linear_model = CostModel.fit(fitted.trace) if profile is not None else None
+    for model in (cost_model, linear_model):
+        if model is not None:
+            model.meta.update(recorded_on=fitted.trace.meta["recorded_on"], date=fitted.trace.meta["date"],
+                              recorded_with=f"llmlab bench calibrate --preset {args.preset}")
     cost_model.save(os.path.join(args.out, "cost_model.json"))
 
     _progress(f"cost model fitted: {cost_model}; running the second workload ({len(predict)} requests over "
@@ -147,21 +168,29 @@ def calibrate(args) -> dict:
         load.append(os.getloadavg()[0])
     simulated.save(os.path.join(args.out, "predict_simulated.json"))
 
-    # the cost model alone, step by step on the second run: separates step-time error from queueing
-    step_errors = sorted(abs(cost_model.step_time(s.scheduled) - d) / d
-                         for s, d in zip(measured.trace.steps, step_durations(measured.trace)) if d and s.scheduled)
+    def step_error(model) -> dict:
+        """The cost model alone, step by step on the second run: step-time error apart from queueing."""
+        errors = sorted(abs(model.step_time(s.scheduled) - d) / d
+                        for s, d in zip(measured.trace.steps, step_durations(measured.trace)) if d and s.scheduled)
+        return {"median": errors[len(errors) // 2], "p90": errors[int(len(errors) * 0.9)]} if errors else {}
+
     a, b = measured.summary(), simulated.summary()
     report = {
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
         "recorded_on": fitted.trace.meta["recorded_on"], "date": fitted.trace.meta["date"],
         "cost_model": cost_model.to_dict(),
-        "seconds": {"fit_run": fit_seconds, "predict_run": predict_seconds, "simulate": simulate_seconds},
+        "seconds": {"profile": profile_seconds, "fit_run": fit_seconds, "predict_run": predict_seconds,
+                    "simulate": simulate_seconds},
         "load_average": {"before_fit": load[0], "after_fit": load[1], "after_predict": load[2]},
-        "predict_step_error": {"median": step_errors[len(step_errors) // 2],
-                               "p90": step_errors[int(len(step_errors) * 0.9)]} if step_errors else {},
+        "predict_step_error": step_error(cost_model),
         "measured": a, "simulated": b,
         "relative_error": {k: (b[k] - a[k]) / a[k] for k in REPORTED},
     }
+    if linear_model is not None:
+        c = simulate(predict, engine.config, linear_model).summary()
+        report["without_profile"] = {"cost_model": linear_model.to_dict(), "simulated": c,
+                                     "predict_step_error": step_error(linear_model),
+                                     "relative_error": {k: (c[k] - a[k]) / a[k] for k in REPORTED}}
     if repeat is not None:
         report["repeat"] = repeat
         report["repeat_relative_difference"] = {k: (repeat[k] - a[k]) / a[k] for k in REPORTED}
@@ -209,15 +238,21 @@ def format_report(report: dict) -> str:
              f"cost model fitted on {fit['num_steps']} steps ({fit['num_outliers']} outliers dropped): "
              f"median step error {fit['median_relative_error']:.1%}, p90 {fit['p90_relative_error']:.1%}",
              f"on the second workload's steps: median {report['predict_step_error'].get('median', float('nan')):.1%}, "
-             f"p90 {report['predict_step_error'].get('p90', float('nan')):.1%}",
+             f"p90 {report['predict_step_error'].get('p90', float('nan')):.1%}"
+             + ("; without the dense profile: median {median:.1%}, p90 {p90:.1%}".format(
+                 **report["without_profile"]["predict_step_error"]) if report.get("without_profile", {}).get(
+                 "predict_step_error") else ""),
              f"runs took {report['seconds']['fit_run']:.1f} s and {report['seconds']['predict_run']:.1f} s; "
              f"the simulation {report['seconds']['simulate']:.2f} s; 1-minute load average "
              + " / ".join(f"{v:.1f}" for v in report["load_average"].values()) + " (before / after each run)",
              f"{'':14} {'measured':>10} {'simulated':>10} {'error':>8}"
+             + (f" {'no profile':>10}" if "without_profile" in report else "")
              + (f" {'measured again':>15} {'difference':>10}" if "repeat" in report else "")]
     for key in REPORTED:
         line = (f"{key:14} {report['measured'][key]:>10.4g} {report['simulated'][key]:>10.4g} "
                 f"{report['relative_error'][key]:>+8.1%}")
+        if "without_profile" in report:
+            line += f" {report['without_profile']['relative_error'][key]:>+10.1%}"
         if "repeat" in report:
             line += f" {report['repeat'][key]:>15.4g} {report['repeat_relative_difference'][key]:>+10.1%}"
         lines.append(line)

@@ -13,7 +13,11 @@ quantities per operator; one linear model per step is the coarse version):
   prefill_attention  query-key pairs of prefill attention, in thousands (a chunk of n tokens
                      at position p attends to p + (n + 1) / 2 keys on average);
   num_prefills       per-sequence cost of a prompt chunk (metadata, gathers);
-  swap_blocks        KV blocks copied between host and device.
+  swap_blocks        KV blocks copied between host and device;
+  dense              the profiled seconds of the step's matrix products at its number of
+                     rows (a DenseProfile, measured once on the engine; 0 without one): on a
+                     CPU oneDNN picks kernels by rows, so 3 decodes can cost less than 2 and
+                     no straight line in decode_tokens fits 1-16 of them (dense_profile.py).
 
 `CostModel.fit(trace)` solves a least-squares problem on the recorded steps, weighted to
 minimise relative error (a 5 ms decode step matters as much as a 200 ms prefill), keeping
@@ -27,15 +31,18 @@ import json
 
 import numpy as np
 
+from llmlab.experiments.dense_profile import DenseProfile
 from llmlab.experiments.result import step_durations
 
+# a model saved before a term existed loads with that term at 0: it predicts as it did
 FEATURES = ("intercept", "mixed", "prefill_tokens", "decode_tokens", "decode_context", "prefill_attention",
-            "num_prefills", "swap_blocks")
+            "num_prefills", "swap_blocks", "dense")
 
 
-def step_features(items, swap_blocks: int = 0) -> list[float]:
+def step_features(items, swap_blocks: int = 0, profile: DenseProfile | None = None) -> list[float]:
     """The FEATURES of one step. `items` are the step's scheduled items (ScheduledItem of a
-    Plan, or ScheduledRecord of a trace): kind, num_tokens, start_position."""
+    Plan, or ScheduledRecord of a trace): kind, num_tokens, start_position. `dense` is 0
+    without a profile."""
     prefill_tokens = decode_tokens = decode_context = num_prefills = 0
     prefill_attention = 0.0
     for item in items:
@@ -46,8 +53,9 @@ def step_features(items, swap_blocks: int = 0) -> list[float]:
             num_prefills += 1
             prefill_tokens += item.num_tokens
             prefill_attention += item.num_tokens * (item.start_position + (item.num_tokens + 1) / 2) / 1000
+    dense = 0.0 if profile is None else profile.seconds(prefill_tokens + decode_tokens, decode_tokens + num_prefills)
     return [1.0, float(num_prefills > 0), prefill_tokens, decode_tokens, decode_context, prefill_attention,
-            num_prefills, swap_blocks]
+            num_prefills, swap_blocks, dense]
 
 
 def swapped_blocks(step) -> int:
@@ -58,12 +66,15 @@ def swapped_blocks(step) -> int:
 
 
 class CostModel:
-    def __init__(self, coefficients: dict[str, float], meta: dict | None = None):
+    def __init__(self, coefficients: dict[str, float], meta: dict | None = None, profile: DenseProfile | None = None):
         unknown = set(coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost-model term(s) {sorted(unknown)}; terms are {FEATURES}")
+        if coefficients.get("dense") and profile is None:
+            raise ValueError("the cost model has a 'dense' term but no DenseProfile to read it from")
         self.coefficients = {name: float(coefficients.get(name, 0.0)) for name in FEATURES}
         self.meta = dict(meta or {})     # the engine it was fitted on, fit quality
+        self.profile = profile
         self._weights = np.array([self.coefficients[name] for name in FEATURES])
 
     def __repr__(self) -> str:
@@ -72,7 +83,7 @@ class CostModel:
 
     def step_time(self, items, swap_blocks: int = 0) -> float:
         """Predicted seconds for a step that runs `items`."""
-        return float(np.dot(self._weights, step_features(items, swap_blocks)))
+        return float(np.dot(self._weights, step_features(items, swap_blocks, self.profile)))
 
     @classmethod
     def constant(cls, seconds: float, meta: dict | None = None) -> "CostModel":
@@ -83,22 +94,24 @@ class CostModel:
 
     # ---- fitting -----------------------------------------------------------------------------
     @classmethod
-    def fit(cls, traces, outlier_factor: float = 4.0) -> "CostModel":
+    def fit(cls, traces, outlier_factor: float = 4.0, profile: DenseProfile | None = None) -> "CostModel":
         """Fit on one Trace or a list of them (recorded by `run` or any Recorder). Steps that
         take over twice their prediction, and over `outlier_factor` times the median relative
-        error off, are dropped (one-off work)."""
+        error off, are dropped (one-off work). With a `profile` of the same engine, the
+        `dense` term is fitted too, and the profile is kept in the model (and its JSON)."""
         traces = traces if isinstance(traces, (list, tuple)) else [traces]
         steps = [(step.scheduled, seconds, swapped_blocks(step)) for trace in traces
                  for step, seconds in zip(trace.steps, step_durations(trace)) if seconds is not None and step.scheduled]
-        return cls.fit_steps(steps, traces[0].meta.get("engine", traces[0].meta), outlier_factor)
+        return cls.fit_steps(steps, traces[0].meta.get("engine", traces[0].meta), outlier_factor, profile)
 
     @classmethod
-    def fit_steps(cls, steps, meta: dict | None = None, outlier_factor: float = 4.0) -> "CostModel":
+    def fit_steps(cls, steps, meta: dict | None = None, outlier_factor: float = 4.0,
+                  profile: DenseProfile | None = None) -> "CostModel":
         """Fit on (scheduled items, seconds[, swapped blocks]) of steps timed any other way,
         e.g. single forwards of a benchmark (`llmlab bench single-forward`)."""
         if len(steps) < 2:
             raise ValueError(f"need at least 2 timed steps to fit a cost model, got {len(steps)}")
-        X = np.array([step_features(items, *rest[1:]) for items, *rest in steps])
+        X = np.array([step_features(items, *rest[1:], profile=profile) for items, *rest in steps])
         y = np.array([rest[0] for _, *rest in steps], dtype=float)
         keep, scale = np.ones(len(y), dtype=bool), y
         for _ in range(4):
@@ -119,11 +132,14 @@ class CostModel:
                        "p90_relative_error": float(np.percentile(error, 90)),
                        # the shapes it has seen: a simulation far outside them extrapolates
                        "max": {name: float(value) for name, value in zip(FEATURES, X[keep].max(axis=0))}}
-        return cls(dict(zip(FEATURES, weights.tolist())), meta)
+        return cls(dict(zip(FEATURES, weights.tolist())), meta, profile)
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"coefficients": self.coefficients, "meta": self.meta}
+        data = {"coefficients": self.coefficients, "meta": self.meta}
+        if self.profile is not None:
+            data["dense_profile"] = self.profile.to_dict()
+        return data
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -135,7 +151,8 @@ class CostModel:
             data = json.load(f)
         if "coefficients" not in data:
             raise ValueError(f"{path} is not a saved CostModel (no 'coefficients')")
-        return cls(data["coefficients"], data.get("meta"))
+        profile = data.get("dense_profile")
+        return cls(data["coefficients"], data.get("meta"), None if profile is None else DenseProfile.from_dict(profile))
 
 
 def _nonnegative_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:
