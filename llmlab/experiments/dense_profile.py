@@ -47,7 +47,8 @@ class DenseProfile:
         """Time `model`'s own weights (a LlamaModel) through `dense.linear`, as its forward
         calls them, at every row count up to DENSE_ROWS and about 1.5x apart above, up to
         `max_tokens` (layers) and `max_sequences` (vocab projection). The median of `repeats`
-        passes; a pass reads every layer's weights once, so they stream from memory as in a step."""
+        passes; a pass reads every layer's weights once, so they stream from memory as in a step
+        (the inputs are random: a matrix product's time does not depend on the values)."""
         import torch
 
         from llmlab.model.dense import linear
@@ -58,34 +59,39 @@ class DenseProfile:
         head_rows = profile_rows(max_sequences)
         generator = torch.Generator(device=device).manual_seed(0)
 
-        def timed(fn) -> float:
-            samples = []
-            for _ in range(repeats + 1):
-                _sync(device)
-                start = time.perf_counter()
-                fn()
-                _sync(device)
-                samples.append(time.perf_counter() - start)
-            return float(np.median(samples[1:]))    # the first pass pays for first-call setup
-
         def inputs(n, width):
             return torch.randn(n, width, generator=generator, device=device).to(dtype)
 
-        layer_seconds, head_seconds = [], []
-        with torch.inference_mode():
-            for n in rows:
-                x, attn, mlp = (inputs(n, w) for w in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size))
+        def layers(n):
+            x, attn, mlp = (inputs(n, w) for w in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size))
 
-                def layers():
-                    for layer in model.layers:
-                        linear(x, layer.qkv, layer.qkv_bias)
-                        linear(attn, layer.o_proj)
-                        linear(x, layer.gate_up)
-                        linear(mlp, layer.down)
-                layer_seconds.append(timed(layers))
-            for n in head_rows:
-                last = inputs(n, c.hidden_size)
-                head_seconds.append(timed(lambda: linear(last, model.lm_head)))
+            def run():
+                for layer in model.layers:    # each output dropped at once, as in the forward
+                    linear(x, layer.qkv, layer.qkv_bias)
+                    linear(attn, layer.o_proj)
+                    linear(x, layer.gate_up)
+                    linear(mlp, layer.down)
+            return run
+
+        def head(n):
+            last = inputs(n, c.hidden_size)
+            return lambda: linear(last, model.lm_head)
+
+        passes = [layers(n) for n in rows] + [head(n) for n in head_rows]
+        samples = [[] for _ in passes]
+        with torch.inference_mode():
+            # round by round over every row count, not one row count at a time: a burst of
+            # other work on the machine then slows one sample of many rows, which the median
+            # drops, instead of every sample of one row count (a bump the fit would believe)
+            for _ in range(repeats + 1):
+                for fn, times in zip(passes, samples):
+                    _sync(device)
+                    begin = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    times.append(time.perf_counter() - begin)
+        seconds = [float(np.median(times[1:])) for times in samples]   # the first round pays first-call setup
+        layer_seconds, head_seconds = seconds[:len(rows)], seconds[len(rows):]
         return cls(rows, layer_seconds, head_rows, head_seconds, measured_on=f"{device.type}, {dtype}".replace("torch.", ""))
 
     # ---- files (inside a CostModel's JSON) ---------------------------------------------------
