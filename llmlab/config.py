@@ -32,7 +32,7 @@ class EngineConfig:
     async_scheduling: bool | None = None   # overlap: schedule and prepare step N+1 while the device runs step N; None = on for CUDA, off on a CPU
     enable_chunked_prefill: bool = True # long prompts run in chunks beside decodes (SARATHI)
     long_prefill_token_threshold: int = 0   # most prompt tokens one request takes per step (0 = no cap); `llmlab serve` uses 64 on a CPU
-    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix seen before (on by default, as in vLLM: free when nothing is shared)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix seen before; on as in vLLM (free when nothing is shared: BENCHMARKS.md), --no-enable-prefix-caching turns it off
     preemption_mode: str = "recompute"  # "swap" | "recompute"
     enforce_eager: bool = False         # True = no CUDA graphs for decode steps
     seed: int = 0                       # for requests that sample without their own seed
