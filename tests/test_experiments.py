@@ -178,7 +178,7 @@ def test_cost_model_fit_recovers_a_known_linear_step_time(tmp_path):
 # ---- simulate schedules as the engine does ---------------------------------------------------------------
 @pytest.mark.parametrize("overrides", [dict(), dict(preemption_mode="swap"),
                                        dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
-                                       dict(enable_prefix_caching=True)])
+                                       dict(enable_prefix_caching=False)])   # on by default
 def test_simulate_with_a_constant_cost_gives_the_engines_schedule(overrides):
     # 24 KV blocks of 4 tokens for 10 requests of up to 40 + 24 tokens: preemptions happen
     config = config_with(num_gpu_blocks=24, **overrides)
@@ -208,6 +208,17 @@ def test_run_measures_every_request_on_the_wall_clock():
     summary = result.summary()
     assert summary["num_finished"] == 8 and summary["output_tok_s"] > 0
     assert result.trace.meta["engine"]["num_gpu_blocks"] == 64 and not engine.has_unfinished_requests()
+
+
+def test_each_run_starts_from_a_cold_prefix_cache():
+    # prefix caching is on by default: without a reset, a second run of the same workload on
+    # the same engine would find every prompt computed, and compare as a faster policy
+    engine = LLMEngine(config_with(), model=MODEL)
+    workload = Workload.offline(4, prompt_len=(9, 20), output_len=2, seed=8, vocab_size=TINY.vocab_size)
+    first, second = run(workload, engine), run(workload, engine)
+    assert engine.block_manager.cached_blocks                # a run leaves its prompts cached
+    assert not any(s.prefix_hit_tokens for s in second.trace.steps)
+    assert schedule_of(second.trace) == schedule_of(first.trace)
 
 
 # ---- policies ---------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
     if engine.has_unfinished_requests():
         raise ValueError("run() needs an idle engine; it still has unfinished requests")
     key = resolve_policy(policy, workload)
+    # a cold prefix cache, as simulate() starts with: an earlier run of the same workload on
+    # this engine (another policy, say) would otherwise find every prompt already computed
+    engine.block_manager.reset_prefix_cache()
     if warmup:   # first-call costs (allocator, oneDNN, Triton) do not belong to any request
         # shorter than a block: it fills none, so the prefix cache keeps nothing of it
         prompt = workload.requests[0].prompt_token_ids[:max(1, min(16, engine.config.block_size - 1))]
