@@ -27,6 +27,7 @@ from .reference import check_scales
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from .pdl import launch_options, wait_for_previous_grid  # noqa: E402
 
 
 @triton.jit
@@ -80,8 +81,9 @@ def _decode_attention_kernel(
     stride_table,
     num_heads, num_queries_per_kv, num_splits,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous_grid(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,8 +140,9 @@ def _decode_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, stride_os, stride_oh,
                            num_heads, num_splits,
-                           HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, USE_PDL: tl.constexpr = False):
     """out = sum_i exp2(lse_i) * out_i / sum_i exp2(lse_i), for one (sequence, head)."""
+    wait_for_previous_grid(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -247,11 +250,12 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
-        QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages,
+        QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+            **launch_options(out),
         )
     return out

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from . import enable_interpreter_if_no_cuda
+from .pdl import launch_options, wait_for_previous_grid
 
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
@@ -59,7 +60,8 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_previous_grid(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_n = tl.where(n_ok, offs_n, 0)   # rows past N re-read row 0 and are never stored
@@ -95,5 +97,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, y, n, k, weight.stride(0),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return y

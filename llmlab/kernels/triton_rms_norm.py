@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import enable_interpreter_if_no_cuda
+from .pdl import launch_options, wait_for_previous_grid
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
@@ -20,7 +21,9 @@ def _rms_norm_kernel(
     hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden_size; the tail is masked
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pdl.py)
 ):
+    wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
@@ -77,7 +80,7 @@ def rms_norm(x, weight, eps, residual=None):
             x2, residual2, weight, out, residual_out,
             x2.stride(0), residual2.stride(0), out.stride(0), residual_out.stride(0),
             hidden_size, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, **launch_options(x2),
         )
     out = out.reshape(x.shape)
     if residual is None:

@@ -17,6 +17,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from .triton_store_kv import _write_slot  # noqa: E402
+from .pdl import launch_options, wait_for_previous_grid  # noqa: E402
 
 
 @triton.jit
@@ -46,7 +47,9 @@ def _rope_store_kv_kernel(
     num_heads, num_kv_heads,
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     QUANTIZED: tl.constexpr, QMAX: tl.constexpr, ROUND: tl.constexpr, QUANT_EPS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, 2 * HALF)
     # pair i turns by position * inv_freq[i]; both elements of the pair (d and d + D/2) see it
@@ -125,6 +128,6 @@ def rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_map
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2, BLOCK_SIZE=k_cache.shape[1],
         QUANTIZED=quantized, QMAX=QUANT_MAX.get(k_cache.dtype, 0.0),
-        ROUND=k_cache.dtype == torch.int8, QUANT_EPS=QUANT_EPS, num_warps=4,
+        ROUND=k_cache.dtype == torch.int8, QUANT_EPS=QUANT_EPS, num_warps=4, **launch_options(q),
     )
     return q_out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import enable_interpreter_if_no_cuda
+from .pdl import launch_options, wait_for_previous_grid
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
@@ -13,7 +14,8 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -39,5 +41,5 @@ def silu_mul(x):
         block = min(triton.next_power_of_2(n), 2048)
         grid = (x2.shape[0], triton.cdiv(n, block))
         _silu_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
-                               num_warps=max(block // 256, 1))
+                               num_warps=max(block // 256, 1), **launch_options(x2))
     return out.reshape(*x.shape[:-1], n)
