@@ -44,8 +44,10 @@ def test_priority_preempts_a_lower_priority_running_request():
     scheduler = Scheduler(config, BlockManager(256, 0, 16), 4096,
                           policy=lambda r: (priority[r.request_id], r.arrival_time))
     scheduler.preempt_for_priority = True
-    for rid in ("low-1", "low-2"):
-        scheduler.add(Request(rid, None, [5] * 40, SamplingParams(max_tokens=50)))
+    # prompts of their own: with prefix caching (the default) a second [5] * 40 would wait a
+    # step for the first one's blocks, and "high" would find a free slot without preempting
+    for rid, token in (("low-1", 5), ("low-2", 7)):
+        scheduler.add(Request(rid, None, [token] * 40, SamplingParams(max_tokens=50)))
     plan = scheduler.schedule()
     scheduler.update(plan, [9] * len(plan.sampling_items))
     scheduler.add(Request("high", None, [6] * 8, SamplingParams()))
