@@ -11,7 +11,10 @@ throughput and the mean / p50 / p90 / p99 of
   TPOT  time per output token after the first: (E2E - TTFT) / (output tokens - 1),
   ITL   inter-token latency: the gap between consecutive chunks,
   E2E   end-to-end latency: arrival -> last token.
-Every rate gets the same prompts, so a sweep isolates the effect of load.
+Every rate gets the same prompts, so a sweep isolates the effect of load; each rate puts a
+first word of its own in front of them (`for_rate`), because a server that caches prefixes
+(llmlab's and vLLM's do by default) would otherwise serve a later rate's prompts from the
+cache an earlier rate filled.
 
 Prompts are synthetic by default: lengths drawn from lognormal distributions with the
 means of ShareGPT conversations (161 prompt and 338 output tokens, vLLM paper §6), made of
@@ -25,7 +28,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 SHAREGPT_MEAN_INPUT_LEN = 161
 SHAREGPT_MEAN_OUTPUT_LEN = 338
@@ -203,6 +206,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+def for_rate(prompts: list[Prompt], index: int) -> list[Prompt]:
+    """The prompts for point `index` of a sweep: each behind the same first word, one word
+    (about one token) per point, so no point's prompts share a first KV block with
+    another's and a prefix-caching server computes every point's prompts in full."""
+    word = WORDS[index % len(WORDS)]
+    return [replace(p, text=f"{word} {p.text}", input_len=None if p.input_len is None else p.input_len + 1)
+            for p in prompts]
+
+
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
         api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
     """A sweep over `rates` (one warm-up request first); returns the plot-ready results.
@@ -216,7 +228,8 @@ def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | N
         model = model or models.json()["data"][0]["id"]
         warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
         warm_up.raise_for_status()
-    results = [_run_coroutine(run_rate(base_url, model, prompts, rate, seed, api_key, progress)) for rate in rates]
+    results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress))
+               for i, rate in enumerate(rates)]
     return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
 

@@ -1,0 +1,35 @@
+"""`llmlab bench serving` against a server that caches prefixes (llmlab's and vLLM's do by
+default): every rate of a sweep sends the same prompts, and each rate's must still be
+computed in full, or later rates would measure the cache an earlier rate filled."""
+import llmlab
+from llmlab.bench import serving
+
+
+def test_each_rate_puts_its_own_first_word_before_the_same_prompts():
+    prompts = serving.synthetic_prompts(5, seed=0, mean_input_len=20, mean_output_len=4, max_output_len=8)
+    points = [serving.for_rate(prompts, i) for i in range(3)]
+    firsts = [{p.text.split(" ", 1)[0] for p in point} for point in points]
+    assert all(len(words) == 1 for words in firsts)                  # one word per point...
+    assert len(set.union(*firsts)) == 3                              # ...a different one for each
+    for point in points:
+        assert [p.text.split(" ", 1)[1] for p in point] == [p.text for p in prompts]
+        assert [p.output_len for p in point] == [p.output_len for p in prompts]
+        assert [p.input_len for p in point] == [p.input_len + 1 for p in prompts]
+
+
+def test_a_prefix_caching_engine_finds_nothing_of_an_earlier_rate():
+    llm = llmlab.LLM(block_size=4, num_gpu_blocks=256)
+    assert llm.engine.config.enable_prefix_caching                   # the default
+    prompts = serving.synthetic_prompts(3, seed=1, mean_input_len=24, max_input_len=40, mean_output_len=2,
+                                        max_output_len=2)
+    params = llmlab.SamplingParams(max_tokens=1, temperature=0.0)
+    blocks = llm.engine.block_manager
+
+    def hit_rate(point):
+        blocks.prefix_queries = blocks.prefix_hits = 0
+        llm.generate([p.text for p in point], params)
+        return blocks.prefix_hit_rate
+
+    hit_rate(serving.for_rate(prompts, 0))
+    assert hit_rate(serving.for_rate(prompts, 1)) == 0.0
+    assert hit_rate(serving.for_rate(prompts, 0)) > 0.5              # without a word of its own: cached
