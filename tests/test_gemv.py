@@ -37,15 +37,52 @@ def test_gemv_rejects_more_than_one_row():
 
 
 @pytest.mark.gpu
-def test_gpu_one_row_linear_is_the_gemv_and_matches_cublas(monkeypatch):
+def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
+    """On a GPU, dense.linear sends 1 row to the GEMV and 2-64 rows to the skinny GEMM (bf16,
+    programmatic dependent launch on Hopper), more rows to cuBLAS; all agree with cuBLAS."""
+    from llmlab.kernels import triton_gemv, triton_skinny_gemm
     from llmlab.model import dense
 
+    calls = []
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, _f=triton_gemv.gemv: calls.append("gemv") or _f(*a))
+    monkeypatch.setattr(triton_skinny_gemm, "skinny_gemm",
+                        lambda *a, _f=triton_skinny_gemm.skinny_gemm: calls.append("skinny") or _f(*a))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((6144, 4096), (4096, 14336), (1000, 333)):
         weight = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).bfloat16()
-        x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
-        calls = []
-        monkeypatch.setattr("llmlab.kernels.triton_gemv.gemv", lambda *a, _g=gemv: calls.append(1) or _g(*a))
-        got = dense.linear(x, weight)
-        assert calls, "one row on a GPU should take the GEMV"
-        torch.testing.assert_close(got.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-3)
+        for rows, path in ((1, "gemv"), (7, "skinny"), (64, "skinny"), (65, None)):
+            x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+            calls.clear()
+            got = dense.linear(x, weight)
+            assert calls == ([path] if path else []), (n, k, rows)
+            torch.testing.assert_close(got.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("m,n,k", [(2, 40, 96), (5, 70, 300), (17, 33, 256), (64, 130, 512), (33, 16, 1500)])
+def test_skinny_gemm_matches_f_linear(m, n, k):
+    """2-64 rows: every row padded into one tile, N and K tails masked, each shipped tile."""
+    from llmlab.kernels.triton_skinny_gemm import config_for as skinny_config_for, skinny_gemm
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    for config in (skinny_config_for(n, k), GemvConfig(32, 256, 4, 4), GemvConfig(128, 128, 8, 4)):
+        got = skinny_gemm(x, weight, config)
+        assert got.shape == (m, n)
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_gemm_padding_rows_and_columns_stay_out():
+    """NaN around a strided x and weight: nothing outside them reaches the result."""
+    from llmlab.kernels.triton_skinny_gemm import skinny_gemm
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    gen = torch.Generator().manual_seed(1)
+    big_w = torch.full((40, 200), float("nan"))
+    big_w[:20, :128] = torch.randn(20, 128, generator=gen)
+    big_x = torch.full((10, 200), float("nan"))
+    big_x[:3, :128] = torch.randn(3, 128, generator=gen)
+    got = skinny_gemm(big_x[:3, :128], big_w[:20, :128], GemvConfig(32, 64, 4, 3))
+    torch.testing.assert_close(got, F.linear(big_x[:3, :128].contiguous(), big_w[:20, :128].contiguous()),
+                               rtol=1e-5, atol=1e-4)

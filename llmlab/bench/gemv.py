@@ -1,5 +1,6 @@
-"""gemv: one row times each weight of the Llama-3-8B shape (a batch-1 decode step's matrix
-products), cuBLAS against the Triton GEMV's variants, in TB/s of weight bytes.
+"""gemv: one row (a batch-1 decode step) or a few (a batch) times each weight of the
+Llama-3-8B shape, cuBLAS against the Triton GEMV's variants (one row) or the skinny GEMM's
+tiles (2-64 rows), in TB/s of weight bytes.
 
 Each weight is copied until the copies outgrow the L2 cache, and the calls cycle through
 them inside one CUDA graph, as a decode step's layers do: what is timed is weights coming
@@ -19,8 +20,28 @@ LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (286
 def add_arguments(parser) -> None:
     parser.add_argument("--shapes", default=None, help="comma-separated NxK (default: Llama-3-8B's five)")
     parser.add_argument("--configs", default=None, help="comma-separated GEMV_CONFIGS names (default: all)")
-    parser.add_argument("--rows", default="1", help="rows of x for cuBLAS (the Triton GEMV takes 1)")
+    parser.add_argument("--rows", default="1", help="rows of x: 1 times the GEMV, 2-64 the skinny GEMM")
+    parser.add_argument("--skinny-configs", default=None,
+                        help="for rows > 1: comma-separated tiles nN-kK-wW-sS for the skinny GEMM (default: a grid)")
     parser.add_argument("--out", default=None)
+
+
+def skinny_configs(args, k):
+    """The skinny GEMM's tiles to time: --skinny-configs (NxK-wW-sS names), else a grid."""
+    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.triton_skinny_gemm import config_for
+
+    if args.skinny_configs == "default":
+        return []
+    if args.skinny_configs:
+        out = []
+        for name in args.skinny_configs.split(","):
+            n, k_, w, st = (int(part[1:]) for part in name.split("-"))
+            out.append(GemvConfig(n, k_, w, st))
+        return out
+    grid = [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
+            for st in (3, 4, 5) if (w == 4 or n == 128) and (64 + n) * bk * 2 * st <= 200 * 1024]
+    return grid
 
 
 def _graph_time_ms(calls, repeats=10) -> float:
@@ -53,6 +74,7 @@ def main(args) -> list[dict]:
     import torch.nn.functional as F
 
     from llmlab.kernels.triton_gemv import GEMV_CONFIGS, gemv
+    from llmlab.kernels.triton_skinny_gemm import skinny_gemm
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -72,8 +94,15 @@ def main(args) -> list[dict]:
             methods = [("cublas", lambda w, x=x: F.linear(x, w))]
             if m == 1:
                 methods += [(f"triton {c.name}", lambda w, x=x, c=c: gemv(x, w, c)) for c in configs]
+            else:
+                methods += [(f"skinny {c.name}", lambda w, x=x, c=c: skinny_gemm(x, w, c))
+                            for c in skinny_configs(args, k)]
             for name, fn in methods:
-                got = fn(weights[0])
+                try:
+                    got = fn(weights[0])
+                except Exception as err:   # a tile that does not fit in shared memory
+                    print(f"{label:8} rows {m:>3} {name:28} skipped: {str(err)[:60]}")
+                    continue
                 err = (got.float() - expected.float()).abs().max().item()
                 scale = expected.float().abs().max().item()
                 row = {"shape": label, "n": n, "k": k, "rows": m, "method": name, "max_abs_err": err,

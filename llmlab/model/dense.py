@@ -1,6 +1,6 @@
 """Dense layers, y = x W^T + b, through the fastest matrix product torch has for the device.
 
-On a GPU that is `F.linear` (cuBLAS) but for one row. On an x86 CPU, `F.linear` calls MKL, which is slow
+On a GPU that is `F.linear` (cuBLAS) but for decode steps' few rows. On an x86 CPU, `F.linear` calls MKL, which is slow
 on the few rows a decode step has (one per sequence). oneDNN, the library behind
 torch.compile's CPU backend, is faster, and faster again when each weight is first
 reordered into its blocked layout: streaming SmolLM2's float32 weights once takes
@@ -17,8 +17,9 @@ the weight is modified in place. The ops are `torch.ops.mkldnn._reorder_linear_w
 and `_linear_pointwise`, the ones torch.compile emits; a one-time probe checks that they
 exist and agree with F.linear, and everything falls back to F.linear if not.
 
-On a GPU, one row of x (a batch-1 decode step) goes to a Triton GEMV instead of cuBLAS's
-split-K GEMMs (kernels/triton_gemv.py has the numbers).
+On a GPU, up to 64 rows of x (a decode step) go to Triton instead of cuBLAS: a GEMV for
+one row, a skinny GEMM for 2-64 (kernels/triton_gemv.py and triton_skinny_gemm.py have the
+numbers).
 """
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ import torch.nn.functional as F
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
-# One row on a GPU (a batch-1 decode step) goes to the Triton GEMV (kernels/triton_gemv.py):
-# 5-22% faster than cuBLAS on each Llama-3-8B weight on the H200. LLMLAB_GEMV=0 turns it off.
+# On a GPU, one row (a batch-1 decode step) goes to the Triton GEMV (kernels/triton_gemv.py),
+# 2-64 rows (a decode batch) to the skinny GEMM (triton_skinny_gemm.py): on the H200 each is
+# as fast as cuBLAS or faster on every Llama-3-8B weight, and both take programmatic
+# dependent launch (kernels/pdl.py), which cuBLAS's kernels do not. LLMLAB_GEMV=0: cuBLAS.
 USE_GEMV = os.environ.get("LLMLAB_GEMV", "1") != "0"
+_SKINNY_ROWS = 64
 _PACK_FOR_ROWS = 16           # oneDNN picks its blocking for this many rows; 1-512 all gain
 _onednn_works: bool | None = None
 _packed: dict = {}            # id(weight) -> (weak ref to it, its version, packed copy)
@@ -42,10 +46,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
     if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and onednn_works():
         return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
-    if (USE_GEMV and x.is_cuda and x.numel() == x.shape[-1] and x.dim() == 2 and bias is None
+    if (USE_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_ROWS and bias is None
             and x.dtype in _GEMV_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1):
-        from llmlab.kernels.triton_gemv import gemv
-        return gemv(x, weight)
+        if x.shape[0] == 1:
+            from llmlab.kernels.triton_gemv import gemv
+            return gemv(x, weight)
+        if x.shape[0] > 1:
+            from llmlab.kernels.triton_skinny_gemm import skinny_gemm
+            return skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
 
 
