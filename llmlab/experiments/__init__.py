@@ -9,11 +9,13 @@ simulator, latency and SLO metrics, figures.
     measured.summary(slo={"ttft": 1.0, "tpot": 0.1}); compare([measured, predicted])
 
 workload.py builds workloads, run.py drives an engine on the wall clock, simulate.py the
-same Scheduler on a simulated clock, cost_model.py predicts step times, result.py holds
+same Scheduler on a simulated clock, cost_model.py predicts step times (one of its terms
+reads dense_profile.py's table of matrix-product times by rows), result.py holds
 per-request metrics and summaries, policies.py names the scheduling policies, figures.py
 draws them (plotly is imported only there).
 """
 from llmlab.experiments.cost_model import FEATURES, CostModel, step_features
+from llmlab.experiments.dense_profile import DenseProfile
 from llmlab.experiments.policies import POLICIES, resolve_policy
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.run import engine_meta, run
@@ -33,6 +35,6 @@ def __getattr__(name):   # figures need plotly, which a GPU box may not have: im
     raise AttributeError(f"module 'llmlab.experiments' has no attribute {name!r}")
 
 
-__all__ = ["FEATURES", "POLICIES", "CostModel", "RequestMetrics", "Result", "StepStats", "Workload",
-           "WorkloadRequest", "engine_meta", "read_lengths", "resolve_policy", "run", "simulate", "step_features",
+__all__ = ["FEATURES", "POLICIES", "CostModel", "DenseProfile", "RequestMetrics", "Result", "StepStats",
+           "Workload", "WorkloadRequest", "engine_meta", "read_lengths", "resolve_policy", "run", "simulate", "step_features",
            *FIGURES]
