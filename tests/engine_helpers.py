@@ -21,5 +21,12 @@ def assert_all_blocks_free(engine):
     stats = engine.kv_stats()
     assert stats["free_device_blocks"] == stats["total_device_blocks"]
     assert stats["free_host_blocks"] == stats["total_host_blocks"]
-    assert all(count == 0 for count in engine.block_manager.ref_counts)
+    blocks = engine.block_manager
+    assert all(count == 0 for count in blocks.ref_counts)
+    # prefix caching (on by default) keeps freed full blocks cached: every block is free
+    # exactly once, on the free list or evictable, and an evictable block is the one its hash names
+    assert sorted([*blocks.free_blocks, *blocks.evictable]) == list(range(blocks.num_device_blocks))
+    assert all(blocks.cached_blocks[blocks.block_hash[b]] == b for b in blocks.evictable)
+    assert len(blocks.cached_blocks) == len(blocks.evictable)
+    assert sorted(blocks.free_host_blocks) == list(range(blocks.num_host_blocks)) and not blocks.host_tables
     assert not engine.requests
