@@ -38,8 +38,8 @@ def test_gemv_rejects_more_than_one_row():
 
 @pytest.mark.gpu
 def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
-    """On a GPU, dense.linear sends 1 row to the GEMV and 2-64 rows to the skinny GEMM (bf16,
-    programmatic dependent launch on Hopper), more rows to cuBLAS; all agree with cuBLAS."""
+    """On a GPU, dense.linear sends 1 row to the GEMV and 33-64 rows to the skinny GEMM (bf16,
+    programmatic dependent launch on Hopper), other row counts to cuBLAS; all agree with it."""
     from llmlab.kernels import triton_gemv, triton_skinny_gemm
     from llmlab.model import dense
 
@@ -48,9 +48,9 @@ def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
     monkeypatch.setattr(triton_skinny_gemm, "skinny_gemm",
                         lambda *a, _f=triton_skinny_gemm.skinny_gemm: calls.append("skinny") or _f(*a))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for n, k in ((6144, 4096), (4096, 14336), (1000, 333)):
+    for n, k in ((6144, 4096), (4096, 14336), (1000, 333), (28672, 4096)):
         weight = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).bfloat16()
-        for rows, path in ((1, "gemv"), (7, "skinny"), (64, "skinny"), (65, None)):
+        for rows, path in ((1, "gemv"), (7, None), (32, None), (33, "skinny"), (64, "skinny"), (65, None)):
             x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
             calls.clear()
             got = dense.linear(x, weight)
