@@ -1,4 +1,4 @@
-"""y = x W^T for a few rows of x (2 to 64: a decode step's batch), in Triton.
+"""y = x W^T for a few rows of x (a decode step of 33 to 64 sequences), in Triton.
 
 A decode step of 64 sequences still reads every weight once per step and does little with
 it (64 FLOPs per weight element): it is bound by the weights' bytes like the batch-1 GEMV
