@@ -112,9 +112,11 @@ def test_empty(ex):
 
 @pytest.fixture(scope="module")
 def int8_llm(engine_llm):
-    """An engine of its own with an int8 KV cache over the loaded embedded model."""
+    """An engine of its own with an int8 KV cache over the loaded embedded model, and no
+    prefix cache (on by default): int8_token_ids fills every slot with garbage between runs,
+    and a cached prompt block would be read back from that garbage instead of recomputed."""
     config = llmlab.EngineConfig(device=DEVICE, dtype="float32", backend="torch", num_gpu_blocks=64,
-                                 swap_space=0, kv_cache_dtype="int8")
+                                 swap_space=0, kv_cache_dtype="int8", enable_prefix_caching=False)
     return llmlab.LLM.from_engine(llmlab.LLMEngine(config, model=engine_llm.engine.model,
                                                    tokenizer=engine_llm.tokenizer))
 
