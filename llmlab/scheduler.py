@@ -287,15 +287,14 @@ class Scheduler:
                 budget += given_back
                 continue
             if not request.block_table:
+                if in_flight and self._waits_for_prefix(request, in_flight):
+                    i += 1
+                    continue
                 cached = self.blocks.match_prefix(request)
                 if cached:
                     request.num_computed_tokens = cached
                     request.num_cached_prompt_tokens = cached
                     plan.prefix_hit_tokens[request.request_id] = cached
-                elif in_flight and self._first_block(request) in in_flight:
-                    self.blocks.free(request)
-                    i += 1
-                    continue
             used = self._schedule_prefill(request, budget, plan)
             if used == 0:
                 self.blocks.free(request)    # give back any shared prefix blocks
@@ -333,6 +332,13 @@ class Scheduler:
         if request.num_tokens <= self.blocks.block_size:
             return None
         return self.blocks.block_hashes(request, 1)[0]
+
+    def _waits_for_prefix(self, request: Request, in_flight: set) -> bool:
+        """Whether a running request is computing `request`'s first block now, which the cache
+        does not hold yet (so a lookup would find nothing). Checked before the lookup: a step
+        spent waiting is no lookup, and the hit rate counts each request's lookup once."""
+        first = self._first_block(request)
+        return first in in_flight and first not in self.blocks.cached_blocks
 
     def _prefixes_in_flight(self) -> set | None:
         """First-block hashes that running requests are computing now (prefix caching only)."""
