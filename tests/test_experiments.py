@@ -305,6 +305,8 @@ def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
                                       "--out", str(tmp_path)]))
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["relative_error"]) >= {"ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"}
+    errors = report["predict_step_error"]
+    assert set(errors) == {"median", "p90", "bias"} and abs(errors["bias"]) <= errors["p90"]
     cost = CostModel.load(tmp_path / "cost_model.json")
     assert cost.meta["num_gpu_blocks"] == 512 and cost.meta["fit"]["num_steps"] > 0
     assert Result.load(tmp_path / "predict_simulated.json").summary()["num_finished"] == 8

@@ -169,10 +169,14 @@ def calibrate(args) -> dict:
     simulated.save(os.path.join(args.out, "predict_simulated.json"))
 
     def step_error(model) -> dict:
-        """The cost model alone, step by step on the second run: step-time error apart from queueing."""
-        errors = sorted(abs(model.step_time(s.scheduled) - d) / d
+        """The cost model alone, step by step on the second run: step-time error apart from
+        queueing. `bias` is the median signed error: when the machine itself ran faster or
+        slower than during the first run (other tenants), every step moves the same way."""
+        signed = sorted((model.step_time(s.scheduled) - d) / d
                         for s, d in zip(measured.trace.steps, step_durations(measured.trace)) if d and s.scheduled)
-        return {"median": errors[len(errors) // 2], "p90": errors[int(len(errors) * 0.9)]} if errors else {}
+        errors = sorted(abs(e) for e in signed)
+        return {"median": errors[len(errors) // 2], "p90": errors[int(len(errors) * 0.9)],
+                "bias": signed[len(signed) // 2]} if errors else {}
 
     a, b = measured.summary(), simulated.summary()
     report = {
@@ -238,7 +242,8 @@ def format_report(report: dict) -> str:
              f"cost model fitted on {fit['num_steps']} steps ({fit['num_outliers']} outliers dropped): "
              f"median step error {fit['median_relative_error']:.1%}, p90 {fit['p90_relative_error']:.1%}",
              f"on the second workload's steps: median {report['predict_step_error'].get('median', float('nan')):.1%}, "
-             f"p90 {report['predict_step_error'].get('p90', float('nan')):.1%}"
+             f"p90 {report['predict_step_error'].get('p90', float('nan')):.1%}, "
+             f"median signed {report['predict_step_error'].get('bias', float('nan')):+.1%}"
              + ("; without the dense profile: median {median:.1%}, p90 {p90:.1%}".format(
                  **report["without_profile"]["predict_step_error"]) if report.get("without_profile", {}).get(
                  "predict_step_error") else ""),
