@@ -129,3 +129,19 @@ def test_measure_times_every_row_count_of_a_real_model():
     assert len(profile.layer_seconds) == len(profile.rows) and len(profile.head_seconds) == 6
     assert all(s > 0 for s in profile.layer_seconds + profile.head_seconds)
     assert DenseProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_simulate_times_its_steps_as_the_profiled_model_times_a_recorded_trace():
+    # the simulator reads plan items, a fit reads trace records: the same step must get the same time
+    from llmlab import EngineConfig
+    from llmlab.experiments import Workload, simulate
+
+    model = CostModel({"intercept": 0.002, "decode_context": 1e-6, "prefill_tokens": 1e-5, "dense": 1.0},
+                      {"num_gpu_blocks": 64, "max_model_len": 256}, PROFILE)
+    config = EngineConfig(device="cpu", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
+    workload = Workload.poisson(12, rate=50.0, prompt_len=(3, 40), output_len=(2, 12), seed=1, vocab_size=128)
+    result = simulate(workload, config, model, record_trace=True)
+    steps = [s for s in result.trace.steps if s.scheduled]
+    assert len({len(s.scheduled) for s in steps}) > 3          # batches of several sizes
+    for step in steps:
+        assert step.timings["forward"] == pytest.approx(model.step_time(step.scheduled), rel=1e-12)
