@@ -19,6 +19,7 @@ a `dense` term: the profiled seconds of a step's shape (its coefficient is about
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -121,10 +122,12 @@ def interpolate(rows: list[int], seconds: list[float], x: float) -> float:
     through the last two (a step larger than any profiled: compute-bound, linear in rows)."""
     if x <= 0:
         return 0.0
-    if x > rows[-1] and len(rows) > 1:
-        slope = (seconds[-1] - seconds[-2]) / (rows[-1] - rows[-2])
-        return seconds[-1] + (x - rows[-1]) * slope
-    return float(np.interp(x, rows, seconds))
+    if x <= rows[0] or len(rows) == 1:
+        return seconds[0]
+    # bisect on the plain lists: the simulator calls this every step, np.interp's conversions cost more
+    i = min(bisect.bisect_left(rows, x), len(rows) - 1)      # rows[i - 1] < x <= rows[i], or past the end
+    slope = (seconds[i] - seconds[i - 1]) / (rows[i] - rows[i - 1])
+    return seconds[i] + (x - rows[i]) * slope
 
 
 def _sync(device) -> None:
