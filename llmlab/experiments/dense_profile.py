@@ -4,15 +4,17 @@ and interpolates; this profiles the one operator whose time is not linear in its
 
 On a CPU a step's dense layers are most of its time, and oneDNN picks its kernels by the
 number of rows, so their time jumps around instead of growing steadily. Measured on a
-2-core Zen 4 VM, one thread, SmolLM2-135M in float32 (all 30 layers' products, ms):
+2-vCPU AMD EPYC VM (AVX-512), one thread, SmolLM2-135M in float32 (all 30 layers'
+products, ms; BENCHMARKS.md, "Fidelity on the CPU"):
 
-    rows     1    2    3    4    5    6    7    8   16   32   64  256
-    layers  39   50   40   38   34   37   42   47   60   79  150  546
+    rows     1    2    3    4    5    6    7    8   16   32   72  256
+    layers  37   41   32   30   31   33   39   38   49   85  170  558
 
-Three or six decodes stream the weights faster than two; from about 16 rows on the work
-is compute-bound and grows with the rows. A model linear in decode tokens, fitted on steps
-of 1-16 sequences, is 10-25% off for 3-6 of them. With this table the cost model gets
-a `dense` term: the profiled seconds of a step's shape (its coefficient is about 1).
+Three to six decodes stream the weights faster than one or two; from about 16 rows on the
+work is compute-bound and grows with the rows. A model linear in decode tokens, fitted on
+steps of 1-16 sequences, was 15-30% off for 3-5 of them. With this table the cost model
+gets a `dense` term: the profiled seconds of a step's shape, times a fitted coefficient
+(0.6-1.3 across runs: the intercept and per-token terms share the scale with it).
 
     profile = DenseProfile.measure(engine.model, max_tokens=256, max_sequences=16)
     CostModel.fit(trace, profile=profile)
