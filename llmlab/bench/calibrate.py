@@ -8,15 +8,16 @@ block tables: `load_trace`), cost_model.json (`CostModel.load`), predict_measure
 predict_simulated.json (`Result.load`) and report.json (the fit, the measured and simulated
 summaries, their relative errors).
 
-On a CPU the command first profiles the model's matrix products at every row count
-(`DenseProfile`, a few seconds) and fits the cost model's `dense` term on it: oneDNN's
-kernels make a CPU step's time jump with its number of rows, which no straight line fits.
-report.json then also holds what the model without the profile would have predicted
-("without_profile"), on the same measured run. `--no-dense-profile` turns it off.
+With --preset cpu (and tiny) the command first profiles the model's matrix products at
+every row count (`DenseProfile`, about 20 s for cpu) and fits the cost model's `dense`
+term on it: oneDNN's kernels make a CPU step's time jump with its number of rows, which no
+straight line fits. report.json then also holds what the model without the profile would
+have predicted ("without_profile"), on the same measured run. `--no-dense-profile` turns
+it off; `--dense-profile` turns it on for h200.
 
 Presets (any option below overrides its value):
   h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3-4 minutes on an H200)
-  cpu   the embedded SmolLM2-135M, small workloads (~2 minutes on a 2-core laptop)
+  cpu   the embedded SmolLM2-135M, small workloads (~2.5 minutes on a 2-core laptop)
   tiny  a 2-layer random model, a few seconds (a smoke test of this command)
 """
 from __future__ import annotations
