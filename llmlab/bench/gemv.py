@@ -26,22 +26,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None)
 
 
-def skinny_configs(args, k):
-    """The skinny GEMM's tiles to time: --skinny-configs (NxK-wW-sS names), else a grid."""
+def skinny_configs(args):
+    """The skinny GEMM's tiles to time: --skinny-configs (nN-kK-wW-sS names), else a grid of
+    those that fit in shared memory."""
     from llmlab.kernels.triton_gemv import GemvConfig
-    from llmlab.kernels.triton_skinny_gemm import config_for
 
-    if args.skinny_configs == "default":
-        return []
     if args.skinny_configs:
-        out = []
-        for name in args.skinny_configs.split(","):
-            n, k_, w, st = (int(part[1:]) for part in name.split("-"))
-            out.append(GemvConfig(n, k_, w, st))
-        return out
-    grid = [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
+        return [GemvConfig(*(int(part[1:]) for part in name.split("-"))) for name in args.skinny_configs.split(",")]
+    return [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
             for st in (3, 4, 5) if (w == 4 or n == 128) and (64 + n) * bk * 2 * st <= 200 * 1024]
-    return grid
 
 
 def _graph_time_ms(calls, repeats=10) -> float:
@@ -96,7 +89,7 @@ def main(args) -> list[dict]:
                 methods += [(f"triton {c.name}", lambda w, x=x, c=c: gemv(x, w, c)) for c in configs]
             else:
                 methods += [(f"skinny {c.name}", lambda w, x=x, c=c: skinny_gemm(x, w, c))
-                            for c in skinny_configs(args, k)]
+                            for c in skinny_configs(args)]
             for name, fn in methods:
                 try:
                     got = fn(weights[0])

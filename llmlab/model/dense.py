@@ -1,10 +1,10 @@
 """Dense layers, y = x W^T + b, through the fastest matrix product torch has for the device.
 
-On a GPU that is `F.linear` (cuBLAS) but for decode steps' few rows. On an x86 CPU, `F.linear` calls MKL, which is slow
-on the few rows a decode step has (one per sequence). oneDNN, the library behind
-torch.compile's CPU backend, is faster, and faster again when each weight is first
-reordered into its blocked layout: streaming SmolLM2's float32 weights once takes
-(2-core Zen 4, ms)
+On a GPU that is `F.linear` (cuBLAS), but for decode steps' few rows (below). On an x86
+CPU, `F.linear` calls MKL, which is slow on the few rows a decode step has (one per
+sequence). oneDNN, the library behind torch.compile's CPU backend, is faster, and faster
+again when each weight is first reordered into its blocked layout: streaming SmolLM2's
+float32 weights once takes (2-core Zen 4, ms)
 
     rows           1    16    64
     MKL           45    69   138
