@@ -86,3 +86,74 @@ def test_skinny_gemm_padding_rows_and_columns_stay_out():
     got = skinny_gemm(big_x[:3, :128], big_w[:20, :128], GemvConfig(32, 64, 4, 3))
     torch.testing.assert_close(got, F.linear(big_x[:3, :128].contiguous(), big_w[:20, :128].contiguous()),
                                rtol=1e-5, atol=1e-4)
+
+
+# Split-K: each output tile's K shared by SPLIT_K programs, the last to finish summing the
+# partials in order 0..SPLIT_K-1 (kernels_explained/gemv.md, 4c). Small shapes: the
+# interpreter runs every program in turn.
+@pytest.mark.parametrize("m", [1, 17, 33, 64])
+@pytest.mark.parametrize("n,k,config", [
+    (70, 200, "n32-k32-w4-s2-split4"),    # 7 slices over 4 programs: 1, 2, 2, 2; N 70 = 2 tiles + 6
+    (40, 64, "n32-k32-w4-s2-split4"),     # 2 slices over 4: two programs get none
+    (130, 512, "n128-k128-w8-s4-split2"),  # whole slices, K exactly split
+])
+def test_split_k_matches_f_linear(m, n, k, config):
+    from llmlab.kernels import triton_skinny_gemm
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    cfg = GemvConfig.from_name(config)
+    # every partial a program leaves in the workspace counts, an empty share's zeros too:
+    # NaN there before the call would show in the result
+    triton_skinny_gemm.skinny_gemm(x, weight, cfg)
+    for workspace, _ in triton_skinny_gemm._split_buffers.values():
+        workspace.fill_(float("nan"))
+    got = triton_skinny_gemm.skinny_gemm(x, weight, cfg)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_split_k_is_bitwise_repeatable_and_leaves_counters_at_zero():
+    """Two calls give the same bits (the reduction's order is fixed), and each leaves every
+    tile counter at 0, which the next call and CUDA graph replays count from."""
+    from llmlab.kernels import triton_skinny_gemm
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(70, 200, generator=gen)
+    x = torch.randn(17, 200, generator=gen)
+    config = GemvConfig.from_name("n32-k32-w4-s2-split4")
+    first = triton_skinny_gemm.skinny_gemm(x, weight, config)
+    second = triton_skinny_gemm.skinny_gemm(x, weight, config)
+    assert torch.equal(first, second)
+    counters = [c for (_, split, _), (_, c) in triton_skinny_gemm._split_buffers.items() if split == 4]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
+
+
+def test_split_k_reuses_its_workspace_for_any_row_count():
+    """One workspace per (device, split, padded N), sized for 64 rows on the first call, so a
+    CUDA graph captured after an eager call of another batch size allocates nothing."""
+    from llmlab.kernels import triton_skinny_gemm
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    config = GemvConfig.from_name("n32-k32-w4-s2-split2")
+    weight = torch.randn(40, 64)
+    triton_skinny_gemm.skinny_gemm(torch.randn(3, 64), weight, config)
+    buffers = dict(triton_skinny_gemm._split_buffers)
+    triton_skinny_gemm.skinny_gemm(torch.randn(64, 64), weight, config)
+    triton_skinny_gemm.skinny_gemm(torch.randn(20, 64), torch.randn(50, 64), config)   # same padded N
+    assert triton_skinny_gemm._split_buffers.keys() == buffers.keys()
+    assert all(triton_skinny_gemm._split_buffers[key][0] is buffers[key][0] for key in buffers)
+
+
+def test_config_names_round_trip():
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    for name in ("n16-k256-w4-s3", "n128-k128-w8-s4-split8"):
+        assert GemvConfig.from_name(name).name == name
+    assert GemvConfig.from_name("n64-k128-w4-s5-split2").split_k == 2
+    assert GemvConfig.from_name("n64-k128-w4-s5").split_k == 1
+    with pytest.raises(ValueError):
+        GemvConfig.from_name("n64-k128-split2")

@@ -15,6 +15,7 @@ bf16 (both accumulate in fp32). See kernels_explained/gemv.md.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -32,10 +33,20 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1   # the skinny GEMM only: programs per output tile along K (the GEMV has none)
 
     @property
     def name(self) -> str:
-        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}"
+        split = f"-split{self.split_k}" if self.split_k != 1 else ""
+        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}{split}"
+
+    @classmethod
+    def from_name(cls, name: str) -> "GemvConfig":
+        """The config a `name` spells: nN-kK-wW-sS, optionally -splitS."""
+        match = re.fullmatch(r"n(\d+)-k(\d+)-w(\d+)-s(\d+)(?:-split(\d+))?", name)
+        if match is None:
+            raise ValueError(f"not a config name (nN-kK-wW-sS[-splitS]): {name!r}")
+        return cls(*(int(part) for part in match.groups(default="1")))
 
 
 GEMV_CONFIGS = {c.name: c for c in (

@@ -7,8 +7,14 @@ it (64 FLOPs per weight element): it is bound by the weights' bytes like the bat
 program holds all of x's rows) over the whole of K, `tl.dot` by `tl.dot`, with the next
 slices' loads in flight (num_stages). What decides the speed is the tile count: one tile
 per BLOCK_N output features, and fewer programs than the GPU has SMs leaves SMs idle; a
-narrower tile re-reads x (from L2) more often. There is no split of K, so no reduction
-pass and no atomics: the result does not depend on the launch.
+narrower tile re-reads x (from L2) more often.
+
+A config with split_k > 1 gives each tile SPLIT_K programs, each over its share of K: wide
+tiles (a 128-wide one reads x from L2 4x less often than a 32-wide one) and still ~128
+programs on a 4096-wide weight. The reduction is in the same launch and in a fixed order:
+each program stores its fp32 partial in a workspace and counts itself on the tile's
+counter; the last one sums the partials 0..SPLIT_K-1 and resets the counter. No atomics
+touch y, so the bits do not depend on which program finishes first.
 
 It exists for the same reason as the GEMV: cuBLAS's kernels for these shapes are not
 launched with programmatic dependent launch (pdl.py), so each one is a full stop in a
@@ -27,23 +33,29 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 MAX_ROWS = 64
+# Split-K scratch, per (device, split count, padded N): never freed, so a CUDA graph that
+# captured a launch keeps reading live memory. The first (eager) call of a shape allocates
+# it for MAX_ROWS rows whatever its own row count, so graph capture, which always follows an
+# eager run of the same step (engine/cuda_graphs.py), allocates nothing. One workspace per
+# shape serves every weight of that shape: the engine's kernels run on one stream, one at a
+# time, and every call leaves its tile counters at 0, so no call sees another's state.
+# (Two skinny GEMMs of one shape on two streams at once would need their own buffers.)
+_split_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
-    wait_for_previous_grid(USE_PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, k_lo, k_hi,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] = x[:, k_lo:k_hi] @ w[offs_n, k_lo:k_hi]^T in fp32 (k_lo and
+    k_hi at whole BLOCK_K slices; the slice past K is masked unless EVEN_K)."""
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    n_ok = offs_n < N
-    rows = tl.where(n_ok, offs_n, 0)    # features past N re-read row 0 and are never stored
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    rows = tl.where(offs_n < N, offs_n, 0)    # features past N re-read row 0 and are never stored
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -54,8 +66,60 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                        USE_PDL: tl.constexpr = False):
+    wait_for_previous_grid(USE_PDL)
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    y_ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K == 1:   # the whole of K in this program; ws_ptr and counter_ptr are unused
+        acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, 0, K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+    else:
+        # program (pid_n, pid_k) takes slices [pid_k * S / SPLIT_K, (pid_k + 1) * S / SPLIT_K)
+        # of the S = cdiv(K, BLOCK_K): shares differ by one slice at most, and are empty
+        # (a zero partial) when S < SPLIT_K
+        pid_k = tl.program_id(1)
+        slices = tl.cdiv(K, BLOCK_K)
+        k_lo = (pid_k * slices // SPLIT_K) * BLOCK_K
+        k_hi = ((pid_k + 1) * slices // SPLIT_K) * BLOCK_K
+        acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, k_lo, k_hi,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        # the partial goes to workspace[pid_k, :, tile] (padded: no masks), then the tile's
+        # counter counts it; the barrier makes every thread's stores come before the count
+        n_pad = tl.num_programs(0) * BLOCK_N
+        ws_tile = ws_ptr + offs_m[:, None] * n_pad + offs_n[None, :]
+        tl.store(ws_tile + pid_k * BLOCK_M * n_pad, acc)
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            # the last of the tile's programs sums the partials in a fixed order (0, 1, ...),
+            # whichever finished last, so the result is the same bits every call; .cg reads
+            # L2, where the other SMs' stores are, not a stale line of this SM's L1
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_tile + s * BLOCK_M * n_pad, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
+            tl.store(counter_ptr + pid_n, 0)   # the next call (or graph replay) starts at 0
+
+
+def _split_k_buffers(device: torch.device, split_k: int, n_pad: int, n_tiles: int):
+    """(fp32 workspace [split_k, MAX_ROWS, n_pad], int32 zeros [n_tiles]) for this device
+    and shape, made on its first call and reused by every later one (see _split_buffers)."""
+    key = (device, split_k, n_pad)
+    if key not in _split_buffers:
+        _split_buffers[key] = (torch.empty(split_k * MAX_ROWS * n_pad, dtype=torch.float32, device=device),
+                               torch.zeros(n_tiles, dtype=torch.int32, device=device))
+    return _split_buffers[key]
 
 
 def config_for(n: int, k: int) -> GemvConfig:
@@ -81,9 +145,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
         x = x.contiguous()
     config = config or config_for(n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    n_tiles = triton.cdiv(n, config.block_n)
+    block_m = max(16, triton.next_power_of_2(m))
+    if config.split_k == 1:
+        workspace = counters = y   # not read: the SPLIT_K == 1 kernel has no reduction
+    else:
+        workspace, counters = _split_k_buffers(x.device, config.split_k, n_tiles * config.block_n, n_tiles)
+    _skinny_gemm_kernel[(n_tiles, config.split_k)](
+        x, weight, y, workspace, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
+        SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return y
