@@ -70,6 +70,12 @@ def _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, k
 
 
 @triton.jit
+def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n):
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1,
@@ -78,12 +84,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    y_ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K == 1:   # the whole of K in this program; ws_ptr and counter_ptr are unused
         acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, 0, K,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+        _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n)
     else:
         # program (pid_n, pid_k) takes slices [pid_k * S / SPLIT_K, (pid_k + 1) * S / SPLIT_K)
         # of the S = cdiv(K, BLOCK_K): shares differ by one slice at most, and are empty
@@ -104,11 +108,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
         if done == SPLIT_K - 1:
             # the last of the tile's programs sums the partials in a fixed order (0, 1, ...),
             # whichever finished last, so the result is the same bits every call; .cg reads
-            # L2, where the other SMs' stores are, not a stale line of this SM's L1
+            # L2, where the other SMs' stores are, not a stale line of this SM's L1 (its own
+            # partial is reloaded too: keeping it in registers through the sum spilled them)
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws_tile + s * BLOCK_M * n_pad, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
+            _store_tile(y_ptr, total, M, N, stride_ym, offs_m, offs_n)
             tl.store(counter_ptr + pid_n, 0)   # the next call (or graph replay) starts at 0
 
 
