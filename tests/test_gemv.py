@@ -128,12 +128,12 @@ def test_split_k_is_bitwise_repeatable_and_leaves_counters_at_zero():
     first = triton_skinny_gemm.skinny_gemm(x, weight, config)
     second = triton_skinny_gemm.skinny_gemm(x, weight, config)
     assert torch.equal(first, second)
-    counters = [c for (_, split, _), (_, c) in triton_skinny_gemm._split_buffers.items() if split == 4]
+    counters = [c for (_, split, _, _), (_, c) in triton_skinny_gemm._split_buffers.items() if split == 4]
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 def test_split_k_reuses_its_workspace_for_any_row_count():
-    """One workspace per (device, split, padded N), sized for 64 rows on the first call, so a
+    """One workspace per (device, split, padded N, tiles), sized for 64 rows on the first call, so a
     CUDA graph captured after an eager call of another batch size allocates nothing."""
     from llmlab.kernels import triton_skinny_gemm
     from llmlab.kernels.triton_gemv import GemvConfig
@@ -146,6 +146,21 @@ def test_split_k_reuses_its_workspace_for_any_row_count():
     triton_skinny_gemm.skinny_gemm(torch.randn(20, 64), torch.randn(50, 64), config)   # same padded N
     assert triton_skinny_gemm._split_buffers.keys() == buffers.keys()
     assert all(triton_skinny_gemm._split_buffers[key][0] is buffers[key][0] for key in buffers)
+
+
+def test_split_k_tiles_of_another_width_and_the_same_padded_n_get_their_own_counters():
+    """96 outputs pad to 128 in one 128-wide tile or two 64-wide ones: the second needs two
+    counters, not the one the first left behind."""
+    from llmlab.kernels import triton_skinny_gemm
+    from llmlab.kernels.triton_gemv import GemvConfig
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 64, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    for name in ("n128-k32-w4-s2-split2", "n64-k32-w4-s2-split2", "n128-k32-w4-s2-split2"):
+        got = triton_skinny_gemm.skinny_gemm(x, weight, GemvConfig.from_name(name))
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert all(int(c.abs().sum()) == 0 for _, c in triton_skinny_gemm._split_buffers.values())
 
 
 def test_config_names_round_trip():

@@ -33,7 +33,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 MAX_ROWS = 64
-# Split-K scratch, per (device, split count, padded N): never freed, so a CUDA graph that
+# Split-K scratch, per (device, split count, padded N, tiles): never freed, so a CUDA graph that
 # captured a launch keeps reading live memory. The first (eager) call of a shape allocates
 # it for MAX_ROWS rows whatever its own row count, so graph capture, which always follows an
 # eager run of the same step (engine/cuda_graphs.py), allocates nothing. One workspace per
@@ -119,8 +119,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
 
 def _split_k_buffers(device: torch.device, split_k: int, n_pad: int, n_tiles: int):
     """(fp32 workspace [split_k, MAX_ROWS, n_pad], int32 zeros [n_tiles]) for this device
-    and shape, made on its first call and reused by every later one (see _split_buffers)."""
-    key = (device, split_k, n_pad)
+    and tiling, made on its first call and reused by every later one (see _split_buffers)."""
+    key = (device, split_k, n_pad, n_tiles)   # 96 outputs: n_pad 128 in 1 tile of 128 or 2 of 64
     if key not in _split_buffers:
         _split_buffers[key] = (torch.empty(split_k * MAX_ROWS * n_pad, dtype=torch.float32, device=device),
                                torch.zeros(n_tiles, dtype=torch.int32, device=device))
