@@ -33,6 +33,7 @@ import os
 import torch
 
 from . import enable_interpreter_if_no_cuda
+from .pdl import launch_options, use_pdl
 from .triton_decode_attention import _combine_splits_kernel
 
 enable_interpreter_if_no_cuda()
@@ -48,7 +49,8 @@ class Q8Config:
     """How the 8-bit decode kernel converts codes and tiles the context."""
     dequant: str        # "cast": codes.to(fp16); "magic": per code, int16 add; "packed": 4 codes per int32;
     #                     "prmt": 4 codes per byte-permute pair (PTX; fp8: the hardware cvt);
-    #                     "legacy": the first kernel (codes.to(q.dtype), in triton_decode_attention.py)
+    #                     "legacy": the first kernel (codes.to(q.dtype), in triton_decode_attention.py);
+    #                     "gluon": codes straight into MMA registers (gluon_decode_attention_q8.py; one warp)
     block_n: int        # keys per tile
     num_warps: int
     num_stages: int
@@ -68,6 +70,8 @@ _VARIANTS = [
     Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 64, 2, 2), Q8Config("prmt", 128, 4, 2),
     Q8Config("prmt", 128, 4, 3), Q8Config("prmt", 128, 2, 2), Q8Config("prmt", 256, 8, 1),
     Q8Config("prmt", 64, 4, 2, 128), Q8Config("prmt", 128, 4, 1, 128),  # 4 programs per SM
+    Q8Config("gluon", 16, 1, 3), Q8Config("gluon", 16, 1, 4), Q8Config("gluon", 16, 1, 6), Q8Config("gluon", 32, 1, 3),
+    Q8Config("gluon", 16, 1, 4, 168), Q8Config("gluon", 16, 1, 4, 128), Q8Config("gluon", 32, 1, 4, 168),
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
 # Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads):
@@ -75,6 +79,7 @@ Q8_CONFIGS = {config.name: config for config in _VARIANTS}
 # splits, 0.309 ms as v1; the first kernel took 0.332 ms as v1) and within 4% of the best
 # fp8 one; it passes the reference check there. In the interpreter it runs "packed".
 DEFAULT_Q8_CONFIG = "prmt-n128-w4-s2"
+GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, other head sizes)
 
 
 def q8_config(name: str | None = None) -> Q8Config:
@@ -276,6 +281,31 @@ def _decode_attention_q8_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
+def _partials(q, num_splits):
+    """The split outputs and log-sum-exps flash-decoding's reduce combines."""
+    num_seqs, num_heads, head_dim = q.shape
+    return (torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device),
+            torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device))
+
+
+def _combine(partial_out, partial_lse, out, num_splits):
+    num_seqs, num_heads, head_dim = out.shape
+    _combine_splits_kernel[(num_seqs, num_heads)](
+        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+        HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **launch_options(out))
+
+
+def _run_gluon(gluon_q8, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales, config):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    partial_out, partial_lse = _partials(q, num_splits) if num_splits > 1 else (out, out)
+    gluon_q8.launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
+                    out, partial_out, partial_lse, block_n=config.block_n, stages=config.num_stages,
+                    max_registers=config.max_registers, use_pdl=use_pdl(q))
+    if num_splits > 1:
+        _combine(partial_out, partial_lse, out, num_splits)
+    return out
+
+
 def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
                         config: Q8Config):
     """decode_attention from an int8/fp8 cache with the given config ("legacy" excluded).
@@ -287,7 +317,14 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
     # returns out:  [num_seqs, num_heads, head_dim], q's dtype
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert config.dequant in ("cast", "magic", "packed", "prmt"), config
+    assert config.dequant in ("cast", "magic", "packed", "prmt", "gluon"), config
+    if config.dequant == "gluon":
+        from . import gluon_decode_attention_q8 as gluon_q8
+
+        if gluon_q8.supported(q, k_cache, num_heads, num_kv_heads):
+            return _run_gluon(gluon_q8, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                              k_scales, v_scales, config)
+        config = Q8_CONFIGS[GLUON_FALLBACK]
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # fp32 queries (the interpreter, tests) keep fp32 dots on exactly converted codes.
