@@ -314,6 +314,7 @@ def test_choose_num_splits():
     assert choose_num_splits(4, 8, 32768) < choose_num_splits(1, 8, 32768)
     assert choose_num_splits(0, 8, 4096) == 1
     assert choose_num_splits(64, 8, 4096, programs_per_sm=16) == 4     # the 8-bit kernel splits more
+    assert choose_num_splits(64, 8, 512, programs_per_sm=16, min_split_tokens=256) == 2  # but keeps long ranges
 
 
 # ----------------------------------------------------------------------------- quantized KV cache

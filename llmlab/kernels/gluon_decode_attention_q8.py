@@ -1,37 +1,47 @@
 """Paged decode attention from an 8-bit KV cache, written in Gluon: every code goes from
-global memory to a tensor-core operand register without touching shared memory.
+global memory, through a shared-memory stage, into a tensor-core operand register with no
+re-layout on the way.
 
 Why not plain Triton (triton_decode_attention_q8.py): Triton picks the register layout of
-a loaded tile itself, so codes loaded, then converted, must be re-laid out into the MMA's
-operand layout through shared memory -- twice the codes' bytes written and read again for
-every byte fetched, and that traffic, not DRAM, set the 8-bit kernel's speed (about bf16's
-time for half of its bytes). Gluon (Triton's lower-level dialect) lets the kernel say
-which thread loads which bytes, so each thread loads exactly the bytes its MMA fragments
-hold and converts them in place.
+a loaded tile itself, so codes loaded and then converted must be re-laid out into the
+MMA's operand layout through shared memory -- the converted (twice as wide) tile written
+and read back for every byte fetched. That traffic, not DRAM, set the 8-bit kernel's speed
+(about bf16's time for half of its bytes). Gluon, Triton's lower-level dialect, lets the
+kernel say which thread holds which element: each thread copies (cp.async, 16 bytes at a
+time) exactly the bytes its MMA fragments need into its own slot of a shared-memory
+stage, reads them back, and converts them in place.
 
-One warp per (sequence, kv head, split): the query heads of the GQA group are the MMA's
-16 rows (4 used for Llama-3), and every reduction of the online softmax stays inside a
-warp. For mma.m16n8k16 each thread (lane = 4 g + t) holds:
+One warp per (kv head, sequence, split), the kv heads of a sequence side by side in the
+grid (their rows share DRAM pages and their scales share sectors). The products are
+transposed so the few query heads of a GQA group are the MMA's narrow side (N = 8): S^T =
+K q^T, then out^T = V^T P^T, with mma.m16n8k16 (K and V^T are the A operands, 16 tokens or
+16 channels per fragment). For lane 4 g + t:
 
-- of K^T (k = head channel, n = token): channels 2t, 2t+1, 2t+8, 2t+9 of each 16-channel
-  block, for tokens g and g + 8 of each 16. A sum over channels does not depend on their
-  order, so the kernel numbers channels so that one thread's 32 channels are 32 adjacent
-  bytes of the token's row (two 16-byte loads): `_k_channel`. q is loaded in the same order.
-- of V (k = token, n = channel): tokens 2t, 2t+1, 2t+8, 2t+9 of each 16, channel g of each
-  8. Output channels can be numbered freely too: thread g's 16 channels are 16 adjacent
-  bytes (one load per token), `_v_channel`, and the output is stored back in memory order.
-  A byte permute pairs token 2t's code with token 2t+1's into one fp16x2 register.
+- K's fragment holds channels 2t, 2t+1, 2t+8, 2t+9 of every 16 for tokens g and g + 8. A
+  sum over channels does not depend on their order, so the kernel numbers channels so that
+  one thread's 32 channels are 32 adjacent bytes of the token's row: `_k_channel`; q^T is
+  loaded in the same order.
+- V^T's fragment holds tokens 2t, 2t+1, 2t+8, 2t+9 of every 16 for channels g + 8 j.
+  Output channels can be numbered freely too: thread g's 16 channels are 16 adjacent
+  bytes, `_v_channel`, and the output is stored back in memory order. A byte permute pairs
+  token 2t's code with token 2t+1's in one fp16x2 register.
+- P^T moves from S^T's accumulator layout to the B operand with two `movmatrix` (8 x 8
+  transposes across the warp).
 
-Codes become fp16 exactly: int8 by the 1024 + 128 + c "magic number" (byte permutes into
-0x64xx, then one fp16x2 subtract), e4m3 by the hardware's cvt.f16x2.e4m3x2. Scales apply
-per tile, as in the Triton kernel: key scales to the score columns, value scales to the
-probabilities (normalized by the tile's largest). The next tile's codes are loaded into
-registers before this tile is computed, so a tile's loads are always in flight.
+Codes become fp16 exactly: e4m3 by the hardware's cvt.f16x2.e4m3x2, int8 by the "magic
+number" 1024 + 128 + c (byte permutes into 0x64xx). The 1152 offset never leaves the
+dots one code at a time: q . (c + 1152) = q . c + 1152 sum(q), and the output's offset is
+1152 times the sum of the weights. Scales apply per tile: key scales to S^T's rows with the
+softmax scale, value scales to P's rows over the largest value scale so far (so weights
+stay in [0, 1]); the accumulator is rescaled only when that unit or a running max grows.
 
-GPU only (Gluon has no interpreter); HEAD_DIM 128 and up to 16 query heads per kv head.
-`decode_attention_q8` falls back to the Triton kernel elsewhere.
+GPU only (Gluon has no interpreter); head size 128 and up to 8 query heads per kv head.
+decode_attention_q8 runs the Triton kernel elsewhere. Measured in BENCHMARKS.md; the bytes
+and FLOPs story is kernels_explained/kv_quantization.md.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -48,16 +58,22 @@ except ImportError:  # pragma: no cover - an older Triton
     gluon = None
 
 HEAD_DIM = 128
-BLOCK_G = 16           # MMA rows: the query heads of one kv head, padded
+BLOCK_G = 8            # the MMA's N: the query heads of one kv head, padded
 WORDS = HEAD_DIM // 4  # int32 words per token row of 8-bit codes
 if gluon is not None:  # the kernels read them as compile-time constants
     _HEAD_DIM, _BLOCK_G, _WORDS = gl.constexpr(HEAD_DIM), gl.constexpr(BLOCK_G), gl.constexpr(WORDS)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)   # mma.sync, cp.async, e4m3 converts
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
     """Whether this kernel takes the problem (else the Triton kernel does)."""
     return (gluon is not None and q.is_cuda and q.dtype != torch.float32 and q.shape[-1] == HEAD_DIM
-            and num_heads // num_kv_heads <= BLOCK_G and torch.cuda.get_device_capability(q.device) >= (8, 9)
+            and num_heads // num_kv_heads <= BLOCK_G
+            and _device_ok(q.device.index if q.device.index is not None else torch.cuda.current_device())
             and all(s % 4 == 0 for s in k_cache.stride()[:3]) and k_cache.storage_offset() % 4 == 0)
 
 
@@ -95,7 +111,8 @@ if gluon is not None:
 
     @gluon.jit
     def _codes_k(words, IS_FP8: gl.constexpr):
-        """Four fp16 values (bytes 0..3) of each int32 word of codes, exactly."""
+        """Four fp16 values (bytes 0..3) of each int32 word of codes, exactly: c for e4m3,
+        c + 1152 for int8 (the scores take the offset out once, not every code)."""
         if IS_FP8:
             c0, c1, c2, c3 = gl.inline_asm_elementwise(
                 "{ .reg .b16 a, b; .reg .b32 x, y; mov.b32 {a, b}, $4; "
@@ -105,9 +122,8 @@ if gluon is not None:
                 is_pure=True, pack=1)
         else:
             c0, c1, c2, c3 = gl.inline_asm_elementwise(
-                "{ .reg .b32 u, x, y, m; xor.b32 u, $4, 0x80808080; mov.b32 m, 0x64806480; "
+                "{ .reg .b32 u, x, y; xor.b32 u, $4, 0x80808080; "
                 "prmt.b32 x, u, 0x64, 0x4140; prmt.b32 y, u, 0x64, 0x4342; "
-                "sub.f16x2 x, x, m; sub.f16x2 y, y, m; "
                 "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
                 "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
                 is_pure=True, pack=1)
@@ -115,7 +131,7 @@ if gluon is not None:
 
     @gluon.jit
     def _codes_v(even, odd, IS_FP8: gl.constexpr):
-        """Byte m of two tokens' words as fp16 pairs: (even_m, odd_m) for m = 0..3."""
+        """Byte m of two tokens' words as fp16 pairs (even_m, odd_m), m = 0..3: c (e4m3) or c + 1152 (int8)."""
         if IS_FP8:
             e0, o0, e1, o1, e2, o2, e3, o3 = gl.inline_asm_elementwise(
                 "{ .reg .b32 x, y, a, b, c, d; .reg .b16 p, q, r, s; "
@@ -125,31 +141,30 @@ if gluon is not None:
                 "cvt.rn.f16x2.e4m3x2 c, r; cvt.rn.f16x2.e4m3x2 d, s; "
                 "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; mov.b32 {$4, $5}, c; mov.b32 {$6, $7}, d; }",
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [even, odd], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        else:
+        else:       # c + 1152, like the keys: the output takes the offset out once
             e0, o0, e1, o1, e2, o2, e3, o3 = gl.inline_asm_elementwise(
-                "{ .reg .b32 x, y, a, b, c, d, m; mov.b32 m, 0x64806480; "
+                "{ .reg .b32 x, y, a, b, c, d; "
                 "prmt.b32 x, $8, $9, 0x5140; prmt.b32 y, $8, $9, 0x7362; "
                 "xor.b32 x, x, 0x80808080; xor.b32 y, y, 0x80808080; "
                 "prmt.b32 a, x, 0x64, 0x4140; prmt.b32 b, x, 0x64, 0x4342; "
                 "prmt.b32 c, y, 0x64, 0x4140; prmt.b32 d, y, 0x64, 0x4342; "
-                "sub.f16x2 a, a, m; sub.f16x2 b, b, m; sub.f16x2 c, c, m; sub.f16x2 d, d, m; "
                 "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; mov.b32 {$4, $5}, c; mov.b32 {$6, $7}, d; }",
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [even, odd], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
         return e0, o0, e1, o1, e2, o2, e3, o3
 
     @gluon.jit
-    def _k_operand(words, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, B_OP: gl.constexpr):
-        """K^T [_HEAD_DIM (logical channels), BLOCK_N] in the MMA's B layout, from the K words."""
+    def _k_operand(words, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, A_OP: gl.constexpr):
+        """K [BLOCK_N, _HEAD_DIM (logical channels)] in the MMA's A layout, from the K words."""
         c0, c1, c2, c3 = _codes_k(words, IS_FP8)
         x = gl.join(gl.join(c0, c1), gl.join(c2, c3))               # [n, word, e, h]
         x = gl.reshape(x, [BLOCK_N, 2, 4, 4, 2, 2])                   # word = 16 B + 4 t + bb
         x = gl.permute(x, [0, 1, 3, 5, 2, 4])                         # k = 16 (4 B + bb) + 8 h + 2 t + e
         x = gl.reshape(x, [BLOCK_N, _HEAD_DIM])
-        return gl.convert_layout(gl.permute(x, [1, 0]), B_OP, assert_trivial=True)
+        return gl.convert_layout(x, A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _v_operand(words, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, B_OP: gl.constexpr):
-        """V [BLOCK_N, _HEAD_DIM (logical channels)] in the MMA's B layout, from the V words."""
+    def _v_operand(words, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, A_OP: gl.constexpr):
+        """V^T [_HEAD_DIM (logical channels), BLOCK_N] in the MMA's A layout, from the V words."""
         pairs = gl.permute(gl.reshape(words, [BLOCK_N // 2, 2, _WORDS]), [0, 2, 1])
         even, odd = gl.split(pairs)                                    # tokens 2p and 2p + 1
         e0, o0, e1, o1, e2, o2, e3, o3 = _codes_v(even, odd, IS_FP8)
@@ -158,14 +173,35 @@ if gluon is not None:
         x = gl.reshape(x, [BLOCK_N // 2, 8, 4, 2, 2, 2])              # word = 4 g + jj
         x = gl.permute(x, [0, 3, 2, 5, 4, 1])                         # token 2p + e; n = 32 jj + 16 m1 + 8 m0 + g
         x = gl.reshape(x, [BLOCK_N, _HEAD_DIM])
-        return gl.convert_layout(x, B_OP, assert_trivial=True)
+        return gl.convert_layout(gl.permute(x, [1, 0]), A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _row_offsets(table_row_ptr, rows, end, kv_head, stride_b, stride_s, BLOCK_SIZE: gl.constexpr):
-        """Element offsets of token rows (those < end) of one kv head through the block table."""
+    def _transpose_probs(p, BLOCK_N: gl.constexpr, B_OP: gl.constexpr):
+        """P^T [BLOCK_N, heads] fp16 from the scores' accumulator layout into the B layout of
+        V^T @ P^T, in registers: movmatrix transposes each 8 x 8 fp16 block across the warp,
+        which leaves every thread holding the B fragment; the reshapes only rename registers."""
+        x = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
+                                      dtype=gl.float16, is_pure=True, pack=2)
+        x = gl.permute(gl.reshape(x, [BLOCK_N // 8, 8, 8]), [0, 2, 1])
+        return gl.convert_layout(gl.reshape(x, [BLOCK_N, 8]), B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _row_offsets(table_row_ptr, start_n, r, end, kv_off, stride_b, stride_s,
+                     BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Element offsets of token rows start_n + r (those < end) of one kv head."""
+        rows = start_n + r
         ok = rows < end
-        block = gl.load(table_row_ptr + rows // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
-        return block * stride_b + (rows % BLOCK_SIZE) * stride_s + kv_head, ok
+        if BLOCK_N <= BLOCK_SIZE:  # tiles start at multiples of BLOCK_N: one cache block holds the tile
+            block = gl.load(table_row_ptr + start_n // BLOCK_SIZE, mask=start_n < end, other=0).to(gl.int64)
+            off = block * stride_b + ((start_n % BLOCK_SIZE) * stride_s + kv_off) + r * stride_s
+        else:  # BLOCK_N // BLOCK_SIZE whole blocks: one table read and one base per block, chosen per row
+            first = start_n // BLOCK_SIZE
+            base = gl.load(table_row_ptr + first, mask=start_n < end, other=0).to(gl.int64) * stride_b
+            for j in gl.static_range(1, BLOCK_N // BLOCK_SIZE):
+                block_j = gl.load(table_row_ptr + first + j, mask=start_n + j * BLOCK_SIZE < end, other=0)
+                base = gl.where(r >= j * BLOCK_SIZE, block_j.to(gl.int64) * stride_b, base)
+            off = base + (kv_off + (r % BLOCK_SIZE) * stride_s)
+        return off, ok
 
     @gluon.jit
     def _copy_tile(k_stage, v_stage, k_ptr, v_ptr, table_row_ptr, kv_head, start_n, end,
@@ -173,10 +209,12 @@ if gluon is not None:
                    K_WORDS: gl.constexpr, V_WORDS: gl.constexpr):
         """Start copying tokens start_n .. start_n + BLOCK_N's K and V words into one stage of
         shared memory, each thread the words it will read back itself (rows >= end: zeros)."""
-        rows_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_WORDS))
-        rows_v = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, V_WORDS))
-        off_k, ok_k = _row_offsets(table_row_ptr, rows_k, end, kv_head * stride_kh, stride_kb, stride_ks, BLOCK_SIZE)
-        off_v, ok_v = _row_offsets(table_row_ptr, rows_v, end, kv_head * stride_kh, stride_kb, stride_ks, BLOCK_SIZE)
+        r_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_WORDS))
+        r_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, V_WORDS))
+        off_k, ok_k = _row_offsets(table_row_ptr, start_n, r_k, end, kv_head * stride_kh, stride_kb, stride_ks,
+                                   BLOCK_SIZE, BLOCK_N)
+        off_v, ok_v = _row_offsets(table_row_ptr, start_n, r_v, end, kv_head * stride_kh, stride_kb, stride_ks,
+                                   BLOCK_SIZE, BLOCK_N)
         cols_k = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, K_WORDS))
         cols_v = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, V_WORDS))
         async_copy.async_copy_global_to_shared(k_stage, k_ptr + off_k[:, None] + cols_k[None, :], mask=ok_k[:, None])
@@ -186,8 +224,9 @@ if gluon is not None:
     @gluon.jit
     def _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head, start_n, end, stride_sb, stride_ss,
                      BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
-        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-        off, ok = _row_offsets(table_row_ptr, rows, end, kv_head, stride_sb, stride_ss, BLOCK_SIZE)
+        """The K and V scales of tokens start_n .. start_n + BLOCK_N, as S^T's rows (0 past end)."""
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        off, ok = _row_offsets(table_row_ptr, start_n, r, end, kv_head, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N)
         return gl.load(ks_ptr + off, mask=ok, other=0.0), gl.load(vs_ptr + off, mask=ok, other=0.0)
 
     @gluon.jit(do_not_specialize=["stride_table", "num_splits"])
@@ -208,22 +247,25 @@ if gluon is not None:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
-        seq = gl.program_id(0)
-        kv_head = gl.program_id(1)
+        kv_head = gl.program_id(0)  # a sequence's kv heads run side by side: their rows share DRAM
+        seq = gl.program_id(1)      # pages and their scales' sectors (1-2% faster than sequences first)
         split = gl.program_id(2)
         seq_len = gl.load(seq_lens_ptr + seq)
 
-        # q in the MMA's A layout, channels in _k_channel order, rescaled into fp16's range.
-        g = gl.arange(0, _BLOCK_G, layout=ROWS)
+        # q^T [channels in _k_channel order, heads] in the MMA's B layout, rescaled into fp16's range.
+        g = gl.arange(0, _BLOCK_G, layout=COLS)
         head_ok = g < num_queries_per_kv
         heads = kv_head * num_queries_per_kv + g
-        kk = gl.arange(0, _HEAD_DIM, layout=COLS)
-        q = gl.load(q_ptr + seq.to(gl.int64) * stride_qs + heads[:, None] * stride_qh + _k_channel(kk)[None, :],
-                    mask=head_ok[:, None], other=0.0).to(gl.float32)
+        kk = gl.arange(0, _HEAD_DIM, layout=ROWS)
+        q = gl.load(q_ptr + seq.to(gl.int64) * stride_qs + heads[None, :] * stride_qh + _k_channel(kk)[:, None],
+                    mask=head_ok[None, :], other=0.0).to(gl.float32)
         q_unit = gl.maximum(gl.exp2(gl.ceil(gl.log2(gl.max(gl.max(gl.abs(q), axis=1), axis=0) * (1.0 / 32768.0)))),
                             1.0)
-        q_op = gl.convert_layout((q * (1.0 / q_unit)).to(gl.float16), A_OP)
+        q16 = (q * (1.0 / q_unit)).to(gl.float16)
+        q_op = gl.convert_layout(q16, B_OP)
         log2_scale = qk_scale * q_unit
+        # int8 keys reach the dot as c + 1152: q . (c + 1152) = q . c + 1152 sum(q)
+        k_offset = gl.sum(q16.to(gl.float32), axis=0) * (0.0 if IS_FP8 else 1152.0)
 
         if SPLIT:
             tiles_per_split = gl.cdiv(gl.cdiv(seq_len, BLOCK_N), num_splits)
@@ -234,9 +276,14 @@ if gluon is not None:
             end = seq_len
 
         table_row_ptr = block_tables_ptr + seq.to(gl.int64) * stride_table
-        m_i = gl.full([_BLOCK_G], -1.0e30, gl.float32, layout=ROWS)
-        l_i = gl.zeros([_BLOCK_G], gl.float32, layout=ROWS)
-        acc = gl.zeros([_BLOCK_G, _HEAD_DIM], gl.float32, layout=MMA)
+        m_i = gl.full([_BLOCK_G], -1.0e30, gl.float32, layout=COLS)   # per head, in log2 units
+        l_i = gl.zeros([_BLOCK_G], gl.float32, layout=COLS)
+        # acc = out^T (unnormalized, channels in _v_channel order) / acc_unit, the largest V
+        # scale so far; p_sum = the sum of the fp16 weights the dots took, in the same units.
+        acc = gl.zeros([_HEAD_DIM, _BLOCK_G], gl.float32, layout=MMA)
+        p_sum = gl.zeros([_BLOCK_G], gl.float32, layout=COLS)
+        acc_unit = 0.0
+        V_OFFSET: gl.constexpr = 0.0 if IS_FP8 else 1152.0
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
         k_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, _WORDS], SMEM)
         v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, _WORDS], SMEM)
@@ -246,51 +293,57 @@ if gluon is not None:
         ks, vs = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head, start, end, stride_sb, stride_ss,
                               BLOCK_SIZE, BLOCK_N, MMA)
         num_tiles = gl.cdiv(end - start, BLOCK_N)
+        stage = 0                 # tile i's stage: i % STAGES, counted rather than divided
+        free_stage = STAGES - 1   # where tile i + STAGES - 1 goes: the stage tile i - 1 used (read back)
         for i in range(0, num_tiles):
             start_n = start + i * BLOCK_N
-            # Tile i + STAGES - 1 goes into the stage tile i - 1 used (read back, so free).
-            ahead = i + STAGES - 1
-            _copy_tile(k_smem.index(ahead % STAGES), v_smem.index(ahead % STAGES), k_ptr, v_ptr, table_row_ptr,
-                       kv_head, start + ahead * BLOCK_N, end, stride_kb, stride_ks, stride_kh,
+            _copy_tile(k_smem.index(free_stage), v_smem.index(free_stage), k_ptr, v_ptr, table_row_ptr,
+                       kv_head, start_n + (STAGES - 1) * BLOCK_N, end, stride_kb, stride_ks, stride_kh,
                        BLOCK_SIZE, BLOCK_N, K_WORDS, V_WORDS)
             ks_next, vs_next = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head, start_n + BLOCK_N, end,
                                             stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, MMA)
             async_copy.wait_group(STAGES - 1)  # tile i has landed
-            kw = k_smem.index(i % STAGES).load(K_WORDS)
-            cols = start_n + gl.arange(0, BLOCK_N, layout=COLS)
-            scores = mma_v2(q_op, _k_operand(kw, BLOCK_N, IS_FP8, B_OP),
-                            gl.zeros([_BLOCK_G, BLOCK_N], gl.float32, layout=MMA))
-            scores = scores * (ks * log2_scale)[None, :]
-            scores = gl.where((cols < end)[None, :], scores, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-            p = gl.exp2(scores - m_new[:, None])
+            kw = k_smem.index(stage).load(K_WORDS)
+            rows = start_n + gl.arange(0, BLOCK_N, layout=ROWS)
+            scores = mma_v2(_k_operand(kw, BLOCK_N, IS_FP8, A_OP), q_op,
+                            gl.zeros([BLOCK_N, _BLOCK_G], gl.float32, layout=MMA))    # S^T [tokens, heads]
+            scores = (scores - k_offset[None, :]) * (ks * log2_scale)[:, None]
+            scores = gl.where((rows < end)[:, None], scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+            p = gl.exp2(scores - m_new[None, :])
             alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            vs_max = gl.maximum(gl.max(vs, axis=0), 1e-30)
-            p_v = gl.convert_layout((p * (vs * (1.0 / vs_max))[None, :]).to(gl.float16), A_OP)
-            vw = v_smem.index(i % STAGES).load(V_WORDS)
-            pv = mma_v2(p_v, _v_operand(vw, BLOCK_N, IS_FP8, B_OP), gl.zeros([_BLOCK_G, _HEAD_DIM], gl.float32,
-                                                                            layout=MMA))
-            acc = pv * vs_max + acc * alpha[:, None]
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            # Weights p * s / unit stay in [0, 1], where fp16 keeps 11 bits. The unit only grows, so
+            # most tiles leave acc as it is (alpha is 1 too once the running max has settled).
+            unit = gl.maximum(acc_unit, gl.max(vs, axis=0))
+            factor = alpha * (acc_unit / gl.maximum(unit, 1e-30))
+            if gl.min(factor, axis=0) < 1.0:
+                acc = acc * factor[None, :]
+            p16 = (p * (vs * (1.0 / gl.maximum(unit, 1e-30)))[:, None]).to(gl.float16)
+            p_sum = p_sum * factor + gl.sum(p16.to(gl.float32), axis=0)
+            vw = v_smem.index(stage).load(V_WORDS)
+            acc = mma_v2(_v_operand(vw, BLOCK_N, IS_FP8, A_OP), _transpose_probs(p16, BLOCK_N, B_OP), acc)
+            acc_unit = unit
+            free_stage = stage
+            stage = gl.where(stage == STAGES - 1, 0, stage + 1)
             m_i = m_new
             ks, vs = ks_next, vs_next
         async_copy.wait_group(0)
 
-        out = acc / gl.where(l_i > 0, l_i, 1.0)[:, None]
-        n = gl.arange(0, _HEAD_DIM, layout=COLS)
-        channel = _v_channel(n)
+        out = (acc - V_OFFSET * p_sum[None, :]) * (acc_unit / gl.where(l_i > 0, l_i, 1.0))[None, :]
+        channel = _v_channel(gl.arange(0, _HEAD_DIM, layout=ROWS))
         if SPLIT:  # an empty split writes a zero output with lse = -inf, which the reduce weighs 0
             row = (seq * num_heads + heads).to(gl.int64) * num_splits + split
-            gl.store(partial_out_ptr + row[:, None] * _HEAD_DIM + channel[None, :], out, mask=head_ok[:, None])
+            gl.store(partial_out_ptr + row[None, :] * _HEAD_DIM + channel[:, None], out, mask=head_ok[None, :])
             lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             gl.store(partial_lse_ptr + row, lse, mask=head_ok)
         else:
-            gl.store(out_ptr + seq.to(gl.int64) * stride_os + heads[:, None] * stride_oh + channel[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            gl.store(out_ptr + seq.to(gl.int64) * stride_os + heads[None, :] * stride_oh + channel[:, None],
+                     out.to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
-           out, partial_out, partial_lse, block_n: int = 16, stages: int = 4, max_registers: int | None = None,
+           out, partial_out, partial_lse, block_n: int = 16, stages: int = 2, max_registers: int | None = None,
            use_pdl: bool = False):
     """Run the kernel (checks done by the caller). k/v caches are 8-bit codes."""
     num_seqs, num_heads, _ = q.shape
@@ -298,7 +351,7 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_sca
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     kw, vw = k_cache.view(torch.int32), v_cache.view(torch.int32)
     mma, k_words, v_words = _layouts(block_n)
-    _decode_q8_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_q8_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, kw, vw, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

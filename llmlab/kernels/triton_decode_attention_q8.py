@@ -70,15 +70,19 @@ _VARIANTS = [
     Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 64, 2, 2), Q8Config("prmt", 128, 4, 2),
     Q8Config("prmt", 128, 4, 3), Q8Config("prmt", 128, 2, 2), Q8Config("prmt", 256, 8, 1),
     Q8Config("prmt", 64, 4, 2, 128), Q8Config("prmt", 128, 4, 1, 128),  # 4 programs per SM
-    Q8Config("gluon", 16, 1, 3), Q8Config("gluon", 16, 1, 4), Q8Config("gluon", 16, 1, 6), Q8Config("gluon", 32, 1, 3),
-    Q8Config("gluon", 16, 1, 4, 168), Q8Config("gluon", 16, 1, 4, 128), Q8Config("gluon", 32, 1, 4, 168),
+    # one warp per program; num_stages is the number of tiles staged in shared memory
+    Q8Config("gluon", 16, 1, 2), Q8Config("gluon", 16, 1, 3), Q8Config("gluon", 16, 1, 4),
+    Q8Config("gluon", 16, 1, 2, 112), Q8Config("gluon", 32, 1, 2, 144), Q8Config("gluon", 32, 1, 3),
+    Q8Config("gluon", 64, 1, 3),
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
-# Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads):
-# "prmt" at 128-key tiles, 4 warps, 2 stages is the fastest int8 variant (0.249 ms with 4
-# splits, 0.309 ms as v1; the first kernel took 0.332 ms as v1) and within 4% of the best
-# fp8 one; it passes the reference check there. In the interpreter it runs "packed".
-DEFAULT_Q8_CONFIG = "prmt-n128-w4-s2"
+# Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads,
+# 4 splits): the Gluon kernel at 16-token tiles and 2 stages, 0.146-0.152 ms for int8 and
+# 0.145-0.150 for fp8 against bf16's 0.246-0.251 (1.64-1.72x); this file's best, "prmt"
+# at 128-key tiles, 4 warps, 2 stages, took 0.231-0.249. Where Gluon does not run (the
+# interpreter, head sizes other than 128, GQA groups over 8) the default runs "prmt"
+# ("packed" in the interpreter).
+DEFAULT_Q8_CONFIG = "gluon-n16-w1-s2"
 GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, other head sizes)
 
 
