@@ -73,6 +73,56 @@ def test_skinny_gemm_matches_f_linear(m, n, k):
         torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+def test_swiglu_gemm_is_silu_mul_of_the_product():
+    """gate_up and silu_mul in one kernel: a strided x and a gate_up slice of a NaN-filled
+    matrix (nothing around them may leak in), I and K not multiples of the tile."""
+    from llmlab.kernels import triton_silu_mul
+    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.triton_skinny_gemm import swiglu_gemm
+
+    gen = torch.Generator().manual_seed(4)
+    m, k, features = 37, 72, 25
+    big_x = torch.full((40, k + 7), float("nan"))
+    big_x[:m, :k] = torch.randn(m, k, generator=gen)
+    big_w = torch.full((2 * features + 3, k + 5), float("nan"))
+    big_w[:2 * features, :k] = torch.randn(2 * features, k, generator=gen) * 0.5
+    x, gate_up = big_x[:m, :k], big_w[:2 * features, :k]
+    expected = triton_silu_mul.silu_mul(F.linear(x.contiguous(), gate_up.contiguous()))
+    for config in (GemvConfig(32, 64, 4, 3), GemvConfig(64, 32, 4, 2)):
+        got = swiglu_gemm(x, gate_up, config)
+        assert got.shape == (m, features)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_gemm_routing_and_agreement(monkeypatch):
+    """dense.swiglu with LLMLAB_SWIGLU_GEMM on: 33-64 bf16 rows take the fused kernel and agree
+    with silu_mul after the skinny GEMM; other row counts, the torch backend and a student's
+    silu_mul override take the pair."""
+    from llmlab import kernels
+    from llmlab.kernels import triton_silu_mul, triton_skinny_gemm
+    from llmlab.model import dense
+
+    monkeypatch.setattr(dense, "SWIGLU_GEMM", True)
+    fused = []
+    monkeypatch.setattr(triton_skinny_gemm, "swiglu_gemm",
+                        lambda *a, _f=triton_skinny_gemm.swiglu_gemm: fused.append(1) or _f(*a))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(2 * 14336, 4096, generator=gen, device="cuda") * 0.02).bfloat16()
+    for rows in (33, 64, 16):
+        x = torch.randn(rows, 4096, generator=gen, device="cuda").bfloat16()
+        fused.clear()
+        got = dense.swiglu(x, gate_up, "triton")
+        assert len(fused) == (1 if rows > 32 else 0), rows
+        pair = triton_silu_mul.silu_mul(dense.linear(x, gate_up))
+        torch.testing.assert_close(got.float(), pair.float(), rtol=2e-2, atol=2e-3)
+        fused.clear()
+        dense.swiglu(x, gate_up, "torch")
+        with kernels.override(silu_mul=triton_silu_mul.silu_mul):
+            dense.swiglu(x, gate_up, "triton")
+        assert not fused
+
+
 def test_skinny_gemm_padding_rows_and_columns_stay_out():
     """NaN around a strided x and weight: nothing outside them reaches the result."""
     from llmlab.kernels.triton_skinny_gemm import skinny_gemm

@@ -87,6 +87,11 @@ def get_kernel(name: str, backend: str | None = None):
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def is_overridden(name: str) -> bool:
+    """Whether `override` has replaced kernel `name` (fused paths that include it must not run)."""
+    return name in _overrides
+
+
 @contextlib.contextmanager
 def override(**kernels):
     """Use the given functions instead of llmlab's kernels inside the `with` block.

@@ -117,6 +117,68 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
             tl.store(counter_ptr + pid_n, 0)   # the next call (or graph replay) starts at 0
 
 
+@triton.jit
+def _swiglu_gemm_kernel(x_ptr, w_ptr, h_ptr, M, I, K, stride_xm, stride_wn, stride_hm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """h[:, n] = silu(x @ w[n]^T) * (x @ w[I + n]^T) for BLOCK_N of the I features: the gate
+    and up rows of one feature in the same program, so each SwiGLU output is made once."""
+    wait_for_previous_grid(USE_PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    rows = tl.where(offs_n < I, offs_n, 0).to(tl.int64)   # features past I re-read row 0, never stored
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w_g = tl.load(g_ptrs, eviction_policy="evict_first")
+            w_u = tl.load(u_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = offs_k + k < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            w_u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc_g = tl.dot(x, tl.trans(w_g), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(x, tl.trans(w_u), acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # The roundings of gate_up's output and of triton_silu_mul, in their order.
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, (silu * up).to(dtype), mask=m_ok[:, None] & (offs_n < I)[None, :])
+
+
+def swiglu_gemm(x: torch.Tensor, gate_up: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """silu_mul(x @ gate_up^T) in one launch: x [M, K] with 1 <= M <= 64, gate_up [2I, K]
+    (gate rows, then up rows) -> h [M, I]. The config's block_n counts gate_up rows, as for
+    skinny_gemm (each program takes block_n / 2 features, so block_n rows of the weight)."""
+    m, k = x.shape
+    assert 1 <= m <= MAX_ROWS and gate_up.shape[1] == k and gate_up.shape[0] % 2 == 0, (x.shape, gate_up.shape)
+    assert gate_up.stride(1) == 1, "weight rows must be contiguous"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    features = gate_up.shape[0] // 2
+    config = config or config_for(2 * features, k)
+    block_n = max(16, config.block_n // 2)
+    h = torch.empty((m, features), dtype=x.dtype, device=x.device)
+    _swiglu_gemm_kernel[(triton.cdiv(features, block_n),)](
+        x, gate_up, h, m, features, k, x.stride(0), gate_up.stride(0), h.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
+    return h
+
+
 def _split_k_buffers(device: torch.device, split_k: int, n_pad: int, n_tiles: int):
     """(fp32 workspace [split_k, MAX_ROWS, n_pad], int32 zeros [n_tiles]) for this device
     and tiling, made on its first call and reused by every later one (see _split_buffers)."""

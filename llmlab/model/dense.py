@@ -36,6 +36,9 @@ _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # dependent launch (kernels/pdl.py), which cuBLAS's kernels do not. LLMLAB_GEMV=0: cuBLAS.
 USE_GEMV = os.environ.get("LLMLAB_GEMV", "1") != "0"
 _SKINNY_ROWS = 64
+# gate_up and silu_mul in one skinny launch (kernels/triton_skinny_gemm.py, swiglu_gemm) for
+# 33-64 rows: built and checked for correctness, not yet timed on a GPU, so off by default.
+SWIGLU_GEMM = os.environ.get("LLMLAB_SWIGLU_GEMM", "0") == "1"
 # 2-32 rows stay with cuBLAS: a decode step of 16 sequences measured 6.17 ms with the skinny
 # GEMM and 5.47 ms with cuBLAS (H200, Llama-3-8B), though each weight alone timed the same.
 _CUBLAS_ROWS = 32
@@ -57,6 +60,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             from llmlab.kernels.triton_skinny_gemm import skinny_gemm
             return skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, backend=None) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)), gate_up = [gate; up] rows. With LLMLAB_SWIGLU_GEMM=1, where
+    linear would take the skinny GEMM and silu_mul is the Triton kernel's (no override, no
+    other backend), one kernel: each program computes a feature's gate and up columns and
+    stores their SwiGLU, so the [M, 2I] product never reaches memory."""
+    from llmlab import kernels
+
+    if (SWIGLU_GEMM and USE_GEMV and x.is_cuda and x.dim() == 2 and _CUBLAS_ROWS < x.shape[0] <= _SKINNY_ROWS
+            and x.dtype in _GEMV_DTYPES and gate_up.dtype == x.dtype and gate_up.stride(-1) == 1
+            and not kernels.is_overridden("silu_mul") and (backend or kernels.default_backend()) == "triton"):
+        from llmlab.kernels.triton_skinny_gemm import swiglu_gemm
+        return swiglu_gemm(x, gate_up)
+    return kernels.silu_mul(linear(x, gate_up), backend=backend)
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from llmlab import kernels
 from llmlab.config import ModelConfig
-from llmlab.model.dense import linear
+from llmlab.model.dense import linear, swiglu
 
 # Logits leave the model in float32, whatever the weights' dtype: the sampler's softmax and
 # top-p cut read them, and the engine warms the sampler up on this dtype.
@@ -120,7 +120,7 @@ class LlamaModel:
         return F.embedding(input_ids, self.embed)
 
     def mlp(self, layer: LayerWeights, x, backend=None) -> torch.Tensor:
-        return linear(kernels.silu_mul(linear(x, layer.gate_up), backend=backend), layer.down)
+        return linear(swiglu(x, layer.gate_up, backend), layer.down)   # silu_mul(linear(x, gate_up)) first
 
     def logits(self, last) -> torch.Tensor:
         return linear(last, self.lm_head)
