@@ -47,8 +47,7 @@ import torch
 
 from . import enable_interpreter_if_no_cuda
 
-enable_interpreter_if_no_cuda()
-import triton  # noqa: E402
+enable_interpreter_if_no_cuda()   # before Triton is imported, as in every kernel module
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
