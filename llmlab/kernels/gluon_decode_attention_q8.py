@@ -76,6 +76,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, num_heads: int, num_kv_hea
             and all(s % 4 == 0 for s in k_cache.stride()[:3]) and k_cache.storage_offset() % 4 == 0)
 
 
+@functools.lru_cache(maxsize=None)   # built once per tile size, not on every launch
 def _layouts(block_n: int):
     """The register layouts (as constexprs) for block_n-token tiles and one warp."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])

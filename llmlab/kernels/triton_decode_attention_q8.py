@@ -293,6 +293,7 @@ def _partials(q, num_splits):
 
 
 def _combine(partial_out, partial_lse, out, num_splits):
+    """out = the splits' partial outputs weighed by their log-sum-exps (flash-decoding's reduce)."""
     num_seqs, num_heads, head_dim = out.shape
     _combine_splits_kernel[(num_seqs, num_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
@@ -346,11 +347,7 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     split = num_splits > 1
-    if split:
-        partial_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        partial_out = partial_lse = out  # unused when SPLIT=False
+    partial_out, partial_lse = _partials(q, num_splits) if split else (out, out)  # unused when SPLIT=False
     group = num_heads // num_kv_heads
     _decode_attention_q8_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
@@ -366,8 +363,5 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
         **({"maxnreg": config.max_registers} if config.max_registers and q.is_cuda else {}),
     )
     if split:
-        _combine_splits_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
-        )
+        _combine(partial_out, partial_lse, out, num_splits)
     return out
