@@ -222,3 +222,18 @@ def test_config_names_round_trip():
     assert GemvConfig.from_name("n64-k128-w4-s5").split_k == 1
     with pytest.raises(ValueError):
         GemvConfig.from_name("n64-k128-split2")
+
+
+def test_prefetch_lines(monkeypatch):
+    """How much of its weight rows a skinny-GEMM program asks L2 for before it waits: ~32 KB
+    a program, a power of two of 128-byte lines, none without PDL or with LLMLAB_PREFETCH=0."""
+    from llmlab.kernels import pdl
+
+    x = torch.zeros(1)
+    assert pdl.prefetch_lines(x, 32, 8192) == 0          # a CPU tensor: no PDL, nothing to overlap
+    monkeypatch.setattr(pdl, "use_pdl", lambda tensor: True)
+    assert [pdl.prefetch_lines(x, rows, 8192) for rows in (32, 64, 128)] == [8, 4, 2]
+    assert pdl.prefetch_lines(x, 32, 384) == 2           # a row of 3 lines: 2, a power of two
+    assert pdl.prefetch_lines(x, 256, 8192) == 1
+    monkeypatch.setenv("LLMLAB_PREFETCH", "0")
+    assert pdl.prefetch_lines(x, 32, 8192) == 0

@@ -49,3 +49,36 @@ def wait_for_previous_grid(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# Bytes of its weight rows a skinny-GEMM program asks L2 for before it waits (PDL only):
+# ~32 KB a program, so the first wave's asks stay a few MB. Measured on the H200 (BENCHMARKS.md,
+# `bench single-forward`): a 64-sequence decode step 5.79-5.84 ms with it, 5.88-6.01 without.
+# The batch-1 GEMV does not use it: there it made the step slower (4.35-4.37 ms, not 4.26).
+PREFETCH_BYTES_PER_PROGRAM = 32 << 10
+
+
+def prefetch_lines(tensor: torch.Tensor, rows_per_program: int, row_bytes: int) -> int:
+    """How many 128-byte lines of each weight row a program prefetches into L2 before
+    `wait_for_previous_grid` (0: none; without PDL there is nothing to overlap, and
+    LLMLAB_PREFETCH=0 turns it off)."""
+    if not use_pdl(tensor) or os.environ.get("LLMLAB_PREFETCH", "1") == "0":
+        return 0
+    lines = max(1, min(row_bytes // 128, PREFETCH_BYTES_PER_PROGRAM // (rows_per_program * 128)))
+    return 1 << (lines.bit_length() - 1)   # a power of two (tl.arange)
+
+
+@triton.jit
+def prefetch_weight_rows(w_ptr, rows, stride_wn, K, LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of weight rows `rows` (PTX prefetch: no
+    register is written and nothing waits). A kernel calls it before
+    wait_for_previous_grid: weights are no kernel's output, so their first bytes can be
+    on their way while the previous kernel finishes, and the loads that follow the wait
+    find them in L2 instead of starting cold."""
+    if LINES > 0:
+        step: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        cols = tl.minimum(tl.arange(0, LINES) * step, K - 1)
+        ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import enable_interpreter_if_no_cuda
-from .pdl import launch_options, wait_for_previous_grid
+from .pdl import launch_options, prefetch_lines, prefetch_weight_rows, wait_for_previous_grid
 from .triton_gemv import GemvConfig
 
 enable_interpreter_if_no_cuda()
@@ -79,11 +79,13 @@ def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n):
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-                        USE_PDL: tl.constexpr = False):
-    wait_for_previous_grid(USE_PDL)
+                        PREFETCH_LINES: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT_K == 1:  # the first bytes of this tile's weight rows, while the previous kernel finishes
+        prefetch_weight_rows(w_ptr, tl.where(offs_n < N, offs_n, 0), stride_wn, K, PREFETCH_LINES)
+    wait_for_previous_grid(USE_PDL)
     if SPLIT_K == 1:   # the whole of K in this program; ws_ptr and counter_ptr are unused
         acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, 0, K,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
@@ -222,5 +224,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
         x, weight, y, workspace, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
+        SPLIT_K=config.split_k, PREFETCH_LINES=prefetch_lines(x, config.block_n, k * weight.element_size()),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return y
