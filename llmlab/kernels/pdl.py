@@ -55,16 +55,17 @@ def wait_for_previous_grid(USE_PDL: tl.constexpr):
 # ~32 KB a program, so the first wave's asks stay a few MB. Measured on the H200 (BENCHMARKS.md,
 # `bench single-forward`): a 64-sequence decode step 5.79-5.84 ms with it, 5.88-6.01 without.
 # The batch-1 GEMV does not use it: there it made the step slower (4.35-4.37 ms, not 4.26).
-PREFETCH_BYTES_PER_PROGRAM = 32 << 10
+PREFETCH_KB_PER_PROGRAM = 32
 
 
 def prefetch_lines(tensor: torch.Tensor, rows_per_program: int, row_bytes: int) -> int:
     """How many 128-byte lines of each weight row a program prefetches into L2 before
-    `wait_for_previous_grid` (0: none; without PDL there is nothing to overlap, and
-    LLMLAB_PREFETCH=0 turns it off)."""
-    if not use_pdl(tensor) or os.environ.get("LLMLAB_PREFETCH", "1") == "0":
+    `wait_for_previous_grid` (0: none; without PDL there is nothing to overlap).
+    LLMLAB_PREFETCH=<KB per program> overrides the default, 0 turns it off."""
+    kb = int(os.environ.get("LLMLAB_PREFETCH", PREFETCH_KB_PER_PROGRAM))
+    if not use_pdl(tensor) or kb <= 0:
         return 0
-    lines = max(1, min(row_bytes // 128, PREFETCH_BYTES_PER_PROGRAM // (rows_per_program * 128)))
+    lines = max(1, min(row_bytes // 128, (kb << 10) // (rows_per_program * 128)))
     return 1 << (lines.bit_length() - 1)   # a power of two (tl.arange)
 
 
