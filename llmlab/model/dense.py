@@ -37,7 +37,8 @@ _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 USE_GEMV = os.environ.get("LLMLAB_GEMV", "1") != "0"
 _SKINNY_ROWS = 64
 # gate_up and silu_mul in one skinny launch (kernels/triton_skinny_gemm.py, swiglu_gemm) for
-# 33-64 rows: built and checked for correctness, not yet timed on a GPU, so off by default.
+# 33-64 rows: correct, but no faster on the H200 (a 64-sequence step 5.84-5.91 ms with it,
+# 5.84-5.86 without; kernels_explained/gemv.md), so off unless LLMLAB_SWIGLU_GEMM=1.
 SWIGLU_GEMM = os.environ.get("LLMLAB_SWIGLU_GEMM", "0") == "1"
 # 2-32 rows stay with cuBLAS: a decode step of 16 sequences measured 6.17 ms with the skinny
 # GEMM and 5.47 ms with cuBLAS (H200, Llama-3-8B), though each weight alone timed the same.
