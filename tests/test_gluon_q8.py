@@ -71,3 +71,17 @@ def test_gluon_takes_the_group_sizes_of_real_models():
         got = decode_attention(q, k, v, table, lens, 0.1, 2, ks, vs, q8_variant="gluon-n16-w1-s4")
         torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=2e-2)
 
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gluon_reads_scales_of_any_head_stride(num_splits):
+    """The same logical scales stored kv head by kv head within a block (`bench
+    decode-variants --scale-layouts head`): the kernel reads the same values, so the same
+    bits come out."""
+    q, k, v, table, lens, ks, vs = _case(torch.int8, 16, LENS, seed=3)
+    head_major = [s.transpose(1, 2).contiguous().transpose(1, 2) for s in (ks, vs)]
+    assert head_major[0].stride(-1) == 16
+    torch.testing.assert_close(head_major[0], ks, rtol=0, atol=0, equal_nan=True)
+    got = decode_attention(q, k, v, table, lens, 0.1, num_splits, *head_major, q8_variant="gluon-n16-w1-s2")
+    assert torch.equal(got, decode_attention(q, k, v, table, lens, 0.1, num_splits, ks, vs,
+                                             q8_variant="gluon-n16-w1-s2"))

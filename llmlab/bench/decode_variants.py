@@ -57,10 +57,12 @@ def _timer(device):
 
 
 def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 2, 4), cache_dtypes=None,
-        num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device=None) -> dict:
+        num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device=None, scale_layouts=("slot",)) -> dict:
     """Time the bf16 (fp16 on a CPU) kernel and every named 8-bit config on each
     (batch, context) shape; print a table, return {"device", "rows", "best"} (also as
-    JSON to out_path)."""
+    JSON to out_path). scale_layouts: "slot" (the cache's: a slot's kv-head scales side
+    by side) and/or "head" (a kv head's scales of a block side by side, the same logical
+    [blocks, block_size, kv_heads] tensor with other strides; the Gluon kernel only)."""
     from llmlab.kernels import triton_decode_attention
     from llmlab.kernels.triton_decode_attention_q8 import Q8_CONFIGS
 
@@ -140,18 +142,23 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
             k_codes, v_codes, block_tables, k_scales, v_scales = quantized[0]
             expected = reference.decode_attention(q, k_codes, v_codes, block_tables, seq_lens, scale, 1,
                                                   k_scales, v_scales).float()
-            for name, num_splits in itertools.product(names, splits):
+            by_layout = {"slot": quantized,
+                         "head": [(k, v, t, _head_major(ks), _head_major(vs)) for k, v, t, ks, vs in quantized]}
+            for layout, name, num_splits in itertools.product(scale_layouts, names, splits):
                 config = Q8_CONFIGS[name]
-                row = dict(variant=name, cache=cache_name, num_splits=num_splits, dequant=config.dequant,
+                if layout == "head" and (config.dequant != "gluon" or not on_gpu):  # where Gluon runs
+                    continue
+                row = dict(variant=name + ("" if layout == "slot" else " (head-major scales)"), cache=cache_name,
+                           num_splits=num_splits, dequant=config.dequant, scale_layout=layout,
                            block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **shape)
 
-                def make_call(i, name=name, num_splits=num_splits):
-                    k, v, t, ks, vs = quantized[i % num_sets]
+                def make_call(i, name=name, num_splits=num_splits, sets=by_layout[layout]):
+                    k, v, t, ks, vs = sets[i % num_sets]
                     return lambda: triton_decode_attention.decode_attention(q, k, v, t, seq_lens, scale, num_splits,
                                                                            ks, vs, q8_variant=name)
                 measure(row, make_call, rows_read * (head_dim * cache_dtype.itemsize + 4), expected,
                         bf16_ms.get(num_splits))
-            del quantized, expected
+            del quantized, by_layout, expected
         del caches
         if on_gpu:
             torch.cuda.empty_cache()
@@ -171,6 +178,11 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     return result
 
 
+def _head_major(scales):
+    """The same [blocks, block_size, kv_heads] scales, stored kv head by kv head within a block."""
+    return scales.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _ints(text):
     return tuple(int(x) for x in text.split(","))
 
@@ -186,10 +198,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--scale-layouts", default="slot",
+                        help="slot,head: also time the Gluon kernel on scales stored kv head by kv head")
 
 
 def main(args) -> dict:
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     return run(args.out, shapes, args.configs.split(",") if args.configs else None, _ints(args.splits),
                args.cache_dtypes.split(",") if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
-               args.head_dim, args.block_size, args.device)
+               args.head_dim, args.block_size, args.device, tuple(args.scale_layouts.split(",")))

@@ -222,11 +222,11 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head, start_n, end, stride_sb, stride_ss,
+    def _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_off, start_n, end, stride_sb, stride_ss,
                      BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
         """The K and V scales of tokens start_n .. start_n + BLOCK_N, as S^T's rows (0 past end)."""
         r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-        off, ok = _row_offsets(table_row_ptr, start_n, r, end, kv_head, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N)
+        off, ok = _row_offsets(table_row_ptr, start_n, r, end, kv_off, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N)
         return gl.load(ks_ptr + off, mask=ok, other=0.0), gl.load(vs_ptr + off, mask=ok, other=0.0)
 
     @gluon.jit(do_not_specialize=["stride_table", "num_splits"])
@@ -234,7 +234,7 @@ if gluon is not None:
         q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         ks_ptr, vs_ptr, qk_scale,
         stride_qs, stride_qh, stride_os, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_table,
+        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, stride_table,
         num_heads, num_queries_per_kv, num_splits,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
         IS_FP8: gl.constexpr, MMA: gl.constexpr, K_WORDS: gl.constexpr, V_WORDS: gl.constexpr, USE_PDL: gl.constexpr,
@@ -290,7 +290,7 @@ if gluon is not None:
         for s in gl.static_range(STAGES - 1):  # the first tiles' copies in flight
             _copy_tile(k_smem.index(s), v_smem.index(s), k_ptr, v_ptr, table_row_ptr, kv_head, start + s * BLOCK_N,
                        end, stride_kb, stride_ks, stride_kh, BLOCK_SIZE, BLOCK_N, K_WORDS, V_WORDS)
-        ks, vs = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head, start, end, stride_sb, stride_ss,
+        ks, vs = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head * stride_sh, start, end, stride_sb, stride_ss,
                               BLOCK_SIZE, BLOCK_N, MMA)
         num_tiles = gl.cdiv(end - start, BLOCK_N)
         stage = 0                 # tile i's stage: i % STAGES, counted rather than divided
@@ -300,7 +300,7 @@ if gluon is not None:
             _copy_tile(k_smem.index(free_stage), v_smem.index(free_stage), k_ptr, v_ptr, table_row_ptr,
                        kv_head, start_n + (STAGES - 1) * BLOCK_N, end, stride_kb, stride_ks, stride_kh,
                        BLOCK_SIZE, BLOCK_N, K_WORDS, V_WORDS)
-            ks_next, vs_next = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head, start_n + BLOCK_N, end,
+            ks_next, vs_next = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head * stride_sh, start_n + BLOCK_N, end,
                                             stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, MMA)
             async_copy.wait_group(STAGES - 1)  # tile i has landed
             kw = k_smem.index(stage).load(K_WORDS)
@@ -355,7 +355,8 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_sca
         q, kw, vw, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kw.stride(0), kw.stride(1), kw.stride(2), k_scales.stride(0), k_scales.stride(1), block_tables.stride(0),
+        kw.stride(0), kw.stride(1), kw.stride(2), k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
+        block_tables.stride(0),
         num_heads, num_heads // num_kv_heads, num_splits,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=stages, SPLIT=num_splits > 1, IS_FP8=is_fp8,
         MMA=mma, K_WORDS=k_words, V_WORDS=v_words, USE_PDL=use_pdl,

@@ -203,7 +203,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     quantized = check_scales(k_cache, v_cache, k_scales, v_scales)
     assert v_cache.dtype == k_cache.dtype and (quantized or k_cache.dtype == q.dtype)
     if quantized:
-        assert k_scales.stride() == v_scales.stride() and k_scales.stride(-1) == 1
+        assert k_scales.stride() == v_scales.stride()   # any head stride for the Gluon kernel; 1 for Triton's
     else:
         k_scales = v_scales = k_cache  # not read: QUANTIZED=False compiles the plain kernel
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
@@ -230,6 +230,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         if config.dequant != "legacy":
             return decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
                                        k_scales, v_scales, config)
+    assert not quantized or k_scales.stride(-1) == 1, "this kernel reads a slot's kv-head scales side by side"
     group = num_heads // num_kv_heads
     block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
     split = num_splits > 1

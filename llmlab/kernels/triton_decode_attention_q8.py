@@ -331,6 +331,7 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
                               k_scales, v_scales, config)
         config = Q8_CONFIGS[GLUON_FALLBACK]
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    assert k_scales.stride(-1) == 1, "the Triton 8-bit kernel reads a slot's kv-head scales side by side"
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # fp32 queries (the interpreter, tests) keep fp32 dots on exactly converted codes.
     compute = tl.float32 if q.dtype == torch.float32 else tl.float16
