@@ -10,7 +10,12 @@ writes are visible) stands between them. Every kernel launched this way must cal
 which is why it comes first. Kernels that are not launched with PDL (cuBLAS, torch ops)
 keep the stream's usual order on both sides.
 
-LLMLAB_PDL=0 turns it off (same results, one launch at a time)."""
+LLMLAB_PDL=0 turns it off (same results, one launch at a time).
+
+What a kernel reads that no kernel writes (weights) may be read before the wait: the skinny
+GEMM asks L2 for the first bytes of its weight rows first (`prefetch_weight_rows`), so they
+arrive while the previous kernel finishes; LLMLAB_PREFETCH sets how many KB a program asks
+for (0: none)."""
 from __future__ import annotations
 
 import functools
@@ -53,7 +58,8 @@ def wait_for_previous_grid(USE_PDL: tl.constexpr):
 
 # Bytes of its weight rows a skinny-GEMM program asks L2 for before it waits (PDL only):
 # ~32 KB a program, so the first wave's asks stay a few MB. Measured on the H200 (BENCHMARKS.md,
-# `bench single-forward`): a 64-sequence decode step 5.79-5.84 ms with it, 5.88-6.01 without.
+# `bench single-forward`, paired in one call): a 64-sequence decode step 5.79-5.91 ms with it,
+# 5.88-6.01 without.
 # The batch-1 GEMV does not use it: there it made the step slower (4.35-4.37 ms, not 4.26).
 PREFETCH_KB_PER_PROGRAM = 32
 
@@ -82,4 +88,3 @@ def prefetch_weight_rows(w_ptr, rows, stride_wn, K, LINES: tl.constexpr):
         ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                                   dtype=tl.int32, is_pure=False, pack=1)
-
