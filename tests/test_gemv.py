@@ -235,7 +235,7 @@ def test_prefetch_lines(monkeypatch):
     assert [pdl.prefetch_lines(x, rows, 8192) for rows in (32, 64, 128)] == [8, 4, 2]
     assert pdl.prefetch_lines(x, 32, 384) == 2           # a row of 3 lines: 2, a power of two
     assert pdl.prefetch_lines(x, 256, 8192) == 1
-    monkeypatch.setenv("LLMLAB_PREFETCH", "64")   # KB a program
+    monkeypatch.setattr(pdl, "PREFETCH_KB_PER_PROGRAM", 64)   # LLMLAB_PREFETCH=64
     assert pdl.prefetch_lines(x, 32, 8192) == 16
-    monkeypatch.setenv("LLMLAB_PREFETCH", "0")
+    monkeypatch.setattr(pdl, "PREFETCH_KB_PER_PROGRAM", 0)    # LLMLAB_PREFETCH=0
     assert pdl.prefetch_lines(x, 32, 8192) == 0

@@ -61,15 +61,15 @@ def wait_for_previous_grid(USE_PDL: tl.constexpr):
 # `bench single-forward`, paired in one call): a 64-sequence decode step 5.79-5.91 ms with it,
 # 5.88-6.01 without.
 # The batch-1 GEMV does not use it: there it made the step slower (4.35-4.37 ms, not 4.26).
-PREFETCH_KB_PER_PROGRAM = 32
+# LLMLAB_PREFETCH=<KB per program> sets it (read once, like LLMLAB_PDL), 0 turns it off.
+PREFETCH_KB_PER_PROGRAM = int(os.environ.get("LLMLAB_PREFETCH", "32"))
 
 
 def prefetch_lines(tensor: torch.Tensor, rows_per_program: int, row_bytes: int) -> int:
     """How many 128-byte lines of each weight row a program prefetches into L2 before
-    `wait_for_previous_grid` (0: none; without PDL there is nothing to overlap).
-    LLMLAB_PREFETCH=<KB per program> overrides the default, 0 turns it off."""
-    kb = int(os.environ.get("LLMLAB_PREFETCH", PREFETCH_KB_PER_PROGRAM))
-    if not use_pdl(tensor) or kb <= 0:
+    `wait_for_previous_grid` (0: none; without PDL there is nothing to overlap)."""
+    kb = PREFETCH_KB_PER_PROGRAM
+    if kb <= 0 or not use_pdl(tensor):
         return 0
     lines = max(1, min(row_bytes // 128, (kb << 10) // (rows_per_program * 128)))
     return 1 << (lines.bit_length() - 1)   # a power of two (tl.arange)
