@@ -126,9 +126,15 @@ class LlamaModel:
         return linear(last, self.lm_head)
 
     def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
-        cfg, b = self.config, batch.backend
-        num_tokens, heads, kv_heads, head_dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(x, layer.qkv, layer.qkv_bias)
+        out = self.attend(i, qkv, positions, batch, k_cache, v_cache, k_scales, v_scales)
+        return linear(out, layer.o_proj)
+
+    def attend(self, i, qkv, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
+        """From the qkv projection [T, (H + 2 Hkv) D] to the attention output [T, H D] that
+        o_proj takes: rope, store_kv, then prefill and decode attention."""
+        cfg, b = self.config, batch.backend
+        num_tokens, heads, kv_heads, head_dim = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # q, k and v are strided views of qkv, not copies: the kernels take any token stride
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.view(num_tokens, heads, head_dim)
@@ -151,7 +157,7 @@ class LlamaModel:
                 q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
                 self.scale, batch.num_splits, k_scales, v_scales, backend=b))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj)
+        return out.reshape(num_tokens, heads * head_dim)
 
     # ---- hook points ---------------------------------------------------------------
     @contextlib.contextmanager
