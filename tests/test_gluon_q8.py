@@ -85,3 +85,37 @@ def test_gluon_reads_scales_of_any_head_stride(num_splits):
     got = decode_attention(q, k, v, table, lens, 0.1, num_splits, *head_major, q8_variant="gluon-n16-w1-s2")
     assert torch.equal(got, decode_attention(q, k, v, table, lens, 0.1, num_splits, ks, vs,
                                              q8_variant="gluon-n16-w1-s2"))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_gluon_tma_and_cp_async_copies_give_the_same_bits(cache_dtype):
+    """The engine's caches (a block's slots and a slot's kv heads back to back) go to the TMA;
+    rows with room after their kv heads still do; blocks that are not back to back (every
+    other block of a bigger tensor) go to cp.async. The tile's values are the same either way."""
+    from llmlab.kernels import gluon_decode_attention_q8 as gluon
+
+    q, k, v, table, lens, ks, vs = _case(cache_dtype, 16, LENS, seed=5)
+    num_blocks, block_size, num_kv_heads, head_dim = k.shape
+
+    def every_other_block(c):
+        big = torch.zeros((2 * num_blocks,) + tuple(c.shape[1:]), dtype=c.dtype, device=c.device)
+        big[::2] = c
+        return big[::2]
+
+    def roomy_rows(c):
+        big = torch.zeros((num_blocks, block_size, num_kv_heads + 1, head_dim), dtype=c.dtype, device=c.device)
+        big[:, :, :num_kv_heads] = c
+        return big[:, :, :num_kv_heads]
+
+    words = lambda c: c.view(torch.int32)
+    engine_like = words(k)
+    assert gluon._tma_descriptors(engine_like, words(v), 16)[0].base is engine_like
+    roomy = words(roomy_rows(k))
+    assert gluon._tma_descriptors(roomy, words(roomy_rows(v)), 16)[0].base is roomy
+    assert gluon._tma_descriptors(words(every_other_block(k)), words(every_other_block(v)), 16)[0].base.numel() == 16 * 32
+    for num_splits in (1, 3):
+        run = lambda kc, vc: decode_attention(q, kc, vc, table, lens, 0.1, num_splits, ks, vs,
+                                              q8_variant="gluon-n16-w1-s2")
+        tma = run(k, v)
+        assert torch.equal(run(roomy_rows(k), roomy_rows(v)), tma)
+        assert torch.equal(run(every_other_block(k), every_other_block(v)), tma)

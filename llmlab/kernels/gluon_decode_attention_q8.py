@@ -7,9 +7,15 @@ a loaded tile itself, so codes loaded and then converted must be re-laid out int
 MMA's operand layout through shared memory -- the converted (twice as wide) tile written
 and read back for every byte fetched. That traffic, not DRAM, set the 8-bit kernel's speed
 (about bf16's time for half of its bytes). Gluon, Triton's lower-level dialect, lets the
-kernel say which thread holds which element: each thread copies (cp.async, 16 bytes at a
-time) exactly the bytes its MMA fragments need into its own slot of a shared-memory
-stage, reads them back, and converts them in place.
+kernel say which thread holds which element: each thread reads back from a shared-memory
+stage exactly the bytes its MMA fragments need and converts them in place.
+
+A stage is filled by the Hopper's tensor memory accelerator (TMA): one copy of the tile's
+16 K rows and one of its V rows (128 bytes each, 128-byte swizzle), an mbarrier counting
+their bytes, from a descriptor that sees the cache as one row of all kv heads per token
+slot. Where the cache is not laid out that way (blocks or kv heads not back to back, tiles
+larger than a block), each thread copies its own 16-byte pieces with cp.async instead; both
+give the same bits. The TMA made the kernel 1-3% faster on the H200 (BENCHMARKS.md).
 
 One warp per (kv head, sequence, split), the kv heads of a sequence side by side in the
 grid (their rows share DRAM pages and their scales share sectors). The products are
@@ -53,6 +59,8 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - an older Triton
     gluon = None
 
@@ -222,6 +230,19 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _tma_tile(k_desc, v_desc, bar, k_stage, v_stage, table_row_ptr, kv_head, start_n, end,
+                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The same with the Hopper's tensor memory accelerator: one copy each of the tile's K
+        and V rows (one cache block holds the tile) into one stage, bar counting their bytes;
+        nothing when the tile starts past end. Rows past end arrive too (not zeros)."""
+        live = start_n < end
+        block = gl.load(table_row_ptr + start_n // BLOCK_SIZE, mask=live, other=0)
+        row = block * BLOCK_SIZE + start_n % BLOCK_SIZE
+        mbarrier.expect(bar, 2 * BLOCK_N * _WORDS * 4, pred=live)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_head * _WORDS], bar, k_stage, pred=live)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_head * _WORDS], bar, v_stage, pred=live)
+
+    @gluon.jit
     def _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_off, start_n, end, stride_sb, stride_ss,
                      BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
         """The K and V scales of tokens start_n .. start_n + BLOCK_N, as S^T's rows (0 past end)."""
@@ -231,13 +252,14 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["stride_table", "num_splits"])
     def _decode_q8_kernel(
-        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+        k_desc, v_desc, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         ks_ptr, vs_ptr, qk_scale,
         stride_qs, stride_qh, stride_os, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, stride_table,
         num_heads, num_queries_per_kv, num_splits,
         BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-        IS_FP8: gl.constexpr, MMA: gl.constexpr, K_WORDS: gl.constexpr, V_WORDS: gl.constexpr, USE_PDL: gl.constexpr,
+        IS_FP8: gl.constexpr, MMA: gl.constexpr, K_WORDS: gl.constexpr, V_WORDS: gl.constexpr, SMEM: gl.constexpr,
+        USE_TMA: gl.constexpr, USE_PDL: gl.constexpr,
     ):
         A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -284,25 +306,42 @@ if gluon is not None:
         p_sum = gl.zeros([_BLOCK_G], gl.float32, layout=COLS)
         acc_unit = 0.0
         V_OFFSET: gl.constexpr = 0.0 if IS_FP8 else 1152.0
-        SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+        # Stages of 128-byte rows, 16-byte chunks swizzled by row (the TMA's 128-byte swizzle).
         k_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, _WORDS], SMEM)
         v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, _WORDS], SMEM)
+        if USE_TMA:
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
         for s in gl.static_range(STAGES - 1):  # the first tiles' copies in flight
-            _copy_tile(k_smem.index(s), v_smem.index(s), k_ptr, v_ptr, table_row_ptr, kv_head, start + s * BLOCK_N,
-                       end, stride_kb, stride_ks, stride_kh, BLOCK_SIZE, BLOCK_N, K_WORDS, V_WORDS)
+            if USE_TMA:
+                _tma_tile(k_desc, v_desc, bars.index(s), k_smem.index(s), v_smem.index(s), table_row_ptr, kv_head,
+                          start + s * BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
+            else:
+                _copy_tile(k_smem.index(s), v_smem.index(s), k_ptr, v_ptr, table_row_ptr, kv_head,
+                           start + s * BLOCK_N, end, stride_kb, stride_ks, stride_kh, BLOCK_SIZE, BLOCK_N,
+                           K_WORDS, V_WORDS)
         ks, vs = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head * stride_sh, start, end, stride_sb, stride_ss,
                               BLOCK_SIZE, BLOCK_N, MMA)
         num_tiles = gl.cdiv(end - start, BLOCK_N)
         stage = 0                 # tile i's stage: i % STAGES, counted rather than divided
+        phase = 0                 # the phase of its barrier tile i completes (TMA): (i // STAGES) % 2
         free_stage = STAGES - 1   # where tile i + STAGES - 1 goes: the stage tile i - 1 used (read back)
         for i in range(0, num_tiles):
             start_n = start + i * BLOCK_N
-            _copy_tile(k_smem.index(free_stage), v_smem.index(free_stage), k_ptr, v_ptr, table_row_ptr,
-                       kv_head, start_n + (STAGES - 1) * BLOCK_N, end, stride_kb, stride_ks, stride_kh,
-                       BLOCK_SIZE, BLOCK_N, K_WORDS, V_WORDS)
+            if USE_TMA:
+                _tma_tile(k_desc, v_desc, bars.index(free_stage), k_smem.index(free_stage), v_smem.index(free_stage),
+                          table_row_ptr, kv_head, start_n + (STAGES - 1) * BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
+            else:
+                _copy_tile(k_smem.index(free_stage), v_smem.index(free_stage), k_ptr, v_ptr, table_row_ptr,
+                           kv_head, start_n + (STAGES - 1) * BLOCK_N, end, stride_kb, stride_ks, stride_kh,
+                           BLOCK_SIZE, BLOCK_N, K_WORDS, V_WORDS)
             ks_next, vs_next = _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_head * stride_sh, start_n + BLOCK_N, end,
                                             stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, MMA)
-            async_copy.wait_group(STAGES - 1)  # tile i has landed
+            if USE_TMA:   # tile i has landed
+                mbarrier.wait(bars.index(stage), phase)
+            else:
+                async_copy.wait_group(STAGES - 1)
             kw = k_smem.index(stage).load(K_WORDS)
             rows = start_n + gl.arange(0, BLOCK_N, layout=ROWS)
             scores = mma_v2(_k_operand(kw, BLOCK_N, IS_FP8, A_OP), q_op,
@@ -322,13 +361,18 @@ if gluon is not None:
             p16 = (p * (vs * (1.0 / gl.maximum(unit, 1e-30)))[:, None]).to(gl.float16)
             p_sum = p_sum * factor + gl.sum(p16.to(gl.float32), axis=0)
             vw = v_smem.index(stage).load(V_WORDS)
+            if USE_TMA and IS_FP8:   # a TMA tile's rows past end are the block's: no NaN code may meet weight 0
+                r_v = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, V_WORDS))
+                vw = gl.where((r_v < end)[:, None], vw, 0)
             acc = mma_v2(_v_operand(vw, BLOCK_N, IS_FP8, A_OP), _transpose_probs(p16, BLOCK_N, B_OP), acc)
             acc_unit = unit
             free_stage = stage
+            phase = gl.where(stage == STAGES - 1, phase ^ 1, phase)
             stage = gl.where(stage == STAGES - 1, 0, stage + 1)
             m_i = m_new
             ks, vs = ks_next, vs_next
-        async_copy.wait_group(0)
+        if not USE_TMA:
+            async_copy.wait_group(0)
 
         out = (acc - V_OFFSET * p_sum[None, :]) * (acc_unit / gl.where(l_i > 0, l_i, 1.0))[None, :]
         channel = _v_channel(gl.arange(0, _HEAD_DIM, layout=ROWS))
@@ -342,6 +386,31 @@ if gluon is not None:
                      out.to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
 
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device, block_n: int) -> torch.Tensor:
+    return torch.zeros(block_n, WORDS, dtype=torch.int32, device=device)
+
+
+def _tma_descriptors(kw: torch.Tensor, vw: torch.Tensor, block_n: int):
+    """(k_desc, v_desc, shared layout). The caches' int32 words seen as one row of all kv heads
+    per token slot, [num_blocks * block_size, num_kv_heads * WORDS], and copied by the TMA in
+    [block_n, WORDS] boxes (one kv head, block_n slots of one block): where a block's slots and
+    a slot's kv heads lie back to back, as in the engine's cache, and a tile fits in a block.
+    Elsewhere the kernel copies with cp.async and the descriptors are placeholders (base not kw)."""
+    num_blocks, block_size, num_kv_heads, _ = kw.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    box = [block_n, WORDS]
+    if block_n <= block_size and all(
+            c.stride(0) == block_size * c.stride(1) and c.stride(2) == WORDS and c.stride(1) % 4 == 0
+            and c.data_ptr() % 16 == 0 for c in (kw, vw)):
+        shape = [num_blocks * block_size, num_kv_heads * WORDS]
+        return (TensorDescriptor(kw, shape, [kw.stride(1), 1], box, layout),
+                TensorDescriptor(vw, shape, [vw.stride(1), 1], box, layout), layout)
+    stub = _placeholder(kw.device, block_n)
+    desc = TensorDescriptor(stub, list(stub.shape), [WORDS, 1], box, layout)
+    return desc, desc, gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+
+
 def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
            out, partial_out, partial_lse, block_n: int = 16, stages: int = 2, max_registers: int | None = None,
            use_pdl: bool = False):
@@ -351,14 +420,15 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_sca
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     kw, vw = k_cache.view(torch.int32), v_cache.view(torch.int32)
     mma, k_words, v_words = _layouts(block_n)
+    k_desc, v_desc, smem = _tma_descriptors(kw, vw, block_n)
     _decode_q8_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, kw, vw, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
+        k_desc, v_desc, q, kw, vw, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kw.stride(0), kw.stride(1), kw.stride(2), k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
         block_tables.stride(0),
         num_heads, num_heads // num_kv_heads, num_splits,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=stages, SPLIT=num_splits > 1, IS_FP8=is_fp8,
-        MMA=mma, K_WORDS=k_words, V_WORDS=v_words, USE_PDL=use_pdl,
+        MMA=mma, K_WORDS=k_words, V_WORDS=v_words, SMEM=smem, USE_TMA=k_desc.base is kw, USE_PDL=use_pdl,
         num_warps=1, **({"launch_pdl": True} if use_pdl else {}), **({"maxnreg": max_registers} if max_registers else {}),
     )
