@@ -37,7 +37,12 @@ def test_times_the_baseline_and_every_variant_and_checks_them(tmp_path):
             assert row["ms"] > 0 and row["speedup_vs_bf16"] > 0
             # 2 (K, V) * batch * context * kv heads rows, each 64 codes and a 4-byte scale
             assert row["bytes_read"] == 2 * 2 * 40 * 2 * 68
-    assert set(result["best"]) == {"float16 2x40", "int8 2x40", "fp8 2x40"}
+    best = result["best"]
+    assert set(best) == {"float16 2x40", "int8 2x40", "fp8 2x40"}
+    fastest_full = min(row["ms"] for row in baseline)
+    for cache in ("int8", "fp8"):   # against the full-precision kernel's fastest split count
+        assert best[cache + " 2x40"]["speedup_vs_best_bf16"] == round(fastest_full / best[cache + " 2x40"]["ms"], 3)
+    assert "speedup_vs_best_bf16" not in best["float16 2x40"]
 
 
 def test_unknown_config_is_refused():

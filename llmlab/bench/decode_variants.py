@@ -9,7 +9,10 @@ Each row: ms (CUDA-graph replay on a GPU; wall time of an interpreted call on a 
 of the bytes the kernel must read (codes + one float32 scale per row for 8-bit caches),
 the speed-up over the bf16 row with the same splits, and the largest difference from
 `reference.decode_attention` on the same cache (a variant that is fast but wrong says so
-in `ok`). A variant that fails to compile becomes a row with its error.
+in `ok`). A variant that fails to compile becomes a row with its error. The summary's
+fastest 8-bit row per shape also has `speedup_vs_best_bf16`: against the bf16 kernel at its
+own fastest split count in the run (v1 at batch 64 x 4k), the comparison the KV-quantization
+aim is about.
 """
 from __future__ import annotations
 
@@ -168,6 +171,12 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
         key = f"{row['cache']} {row['batch']}x{row['context']}"
         if row.get("ok") and (key not in best or row["ms"] < best[key]["ms"]):
             best[key] = {k: row[k] for k in ("variant", "num_splits", "ms", "tb_s", "speedup_vs_bf16") if k in row}
+    baseline = str(dtype)[6:]
+    for key, row in best.items():
+        cache, shape_key = key.split(" ", 1)
+        full = best.get(f"{baseline} {shape_key}")
+        if cache != baseline and full is not None:
+            row["speedup_vs_best_bf16"] = round(full["ms"] / row["ms"], 3)
     print("fastest correct variant per cache and shape:")
     for key, row in best.items():
         print(f"  {key}: {row}")
