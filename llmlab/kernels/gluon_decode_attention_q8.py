@@ -387,6 +387,11 @@ if gluon is not None:
 
 
 @functools.lru_cache(maxsize=None)
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)   # Hopper and later; Ada (8.9) has none
+
+
+@functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device, block_n: int) -> torch.Tensor:
     return torch.zeros(block_n, WORDS, dtype=torch.int32, device=device)
 
@@ -396,11 +401,12 @@ def _tma_descriptors(kw: torch.Tensor, vw: torch.Tensor, block_n: int):
     per token slot, [num_blocks * block_size, num_kv_heads * WORDS], and copied by the TMA in
     [block_n, WORDS] boxes (one kv head, block_n slots of one block): where a block's slots and
     a slot's kv heads lie back to back, as in the engine's cache, and a tile fits in a block.
-    Elsewhere the kernel copies with cp.async and the descriptors are placeholders (base not kw)."""
+    Elsewhere (and on GPUs without a TMA) the kernel copies with cp.async and the descriptors
+    are placeholders (base not kw)."""
     num_blocks, block_size, num_kv_heads, _ = kw.shape
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     box = [block_n, WORDS]
-    if block_n <= block_size and all(
+    if block_n <= block_size and _has_tma(kw.device.index) and all(
             c.stride(0) == block_size * c.stride(1) and c.stride(2) == WORDS and c.stride(1) % 4 == 0
             and c.data_ptr() % 16 == 0 for c in (kw, vw)):
         shape = [num_blocks * block_size, num_kv_heads * WORDS]
