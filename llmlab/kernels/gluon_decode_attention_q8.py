@@ -14,8 +14,8 @@ A stage is filled by the Hopper's tensor memory accelerator (TMA): one copy of t
 16 K rows and one of its V rows (128 bytes each, 128-byte swizzle), an mbarrier counting
 their bytes, from a descriptor that sees the cache as one row of all kv heads per token
 slot. Where the cache is not laid out that way (blocks or kv heads not back to back, tiles
-larger than a block), each thread copies its own 16-byte pieces with cp.async instead; both
-give the same bits. The TMA made the kernel 1-3% faster on the H200 (BENCHMARKS.md).
+larger than a block), or the GPU has no TMA (compute capability 8.9), each thread copies its
+own 16-byte pieces with cp.async instead; both give the same bits. The TMA made the kernel 1-3% faster on the H200 (BENCHMARKS.md).
 
 One warp per (kv head, sequence, split), the kv heads of a sequence side by side in the
 grid (their rows share DRAM pages and their scales share sectors). The products are
