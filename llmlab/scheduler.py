@@ -7,7 +7,8 @@ KV blocks were allocated. The engine applies the plan; the scheduler never touch
 The policy, in order of priority, under a budget of `max_num_batched_tokens` tokens:
   1. every running request that is decoding gets its one token; when blocks run out the
      lowest-priority running request is preempted (swap or recompute), newest first;
-  2. running requests still prefilling get the next chunk of their prompt;
+  2. running requests still prefilling get the next chunk of their prompt (preempting as
+     in 1 when not one more token fits);
   3. swapped-out requests come back when their blocks fit;
   4. waiting requests are admitted, highest priority first, with a prompt chunk of
      at most the remaining budget (SARATHI §4: chunk = token budget - decodes).
@@ -242,9 +243,14 @@ class Scheduler:
         return budget
 
     def _schedule_running_prefills(self, plan: Plan, budget: int) -> int:
-        """2. Running requests still prefilling continue with their next chunk."""
-        for request in self.running:
-            if request.is_prefilling and budget > 0:
+        """2. Running requests still prefilling continue with their next chunk. One that finds
+        no room for even one more token preempts the lowest-priority running request (itself,
+        if it is that one), as a decode does: two prefills that each hold part of a full cache
+        would otherwise wait for each other's blocks forever."""
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or not request.is_prefilling or budget <= 0:
+                continue
+            if self._make_room(request, request.num_computed_tokens + 1, plan):
                 budget -= self._schedule_prefill(request, budget, plan)
         return budget
 

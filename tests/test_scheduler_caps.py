@@ -58,3 +58,30 @@ def test_priority_preempts_a_lower_priority_running_request():
     low = Request("low-3", None, [5] * 8, SamplingParams())
     scheduler.add(low)
     assert "low-3" not in [i.request.request_id for i in scheduler.schedule().items]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("caps", [dict(long_prefill_token_threshold=32),
+                                  dict(max_num_batched_tokens=64, long_prefill_token_threshold=0)])
+def test_prefills_that_together_outgrow_the_cache_do_not_deadlock(caps, mode):
+    """Two prompts admitted together in chunks, each alone fitting the cache, both together
+    not: once the blocks run out mid-prefill, the lower-priority one is preempted (as a
+    decode would be) instead of both waiting forever for a block the other holds."""
+    config = EngineConfig(device="cpu", preemption_mode=mode, **caps)
+    blocks = BlockManager(8, 8 if mode == "swap" else 0, 16)       # 128 tokens of KV
+    scheduler = Scheduler(config, blocks, max_model_len=128)
+    requests = [Request(rid, None, [token] * 100, SamplingParams(max_tokens=4)) for rid, token in (("a", 5), ("b", 6))]
+    for request in requests:
+        scheduler.add(request)
+    preempted = []
+    for _ in range(100):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        assert not plan.is_empty or plan.preempted or plan.swapped_out, "a step with nothing to run"
+        preempted += plan.preempted + plan.swapped_out
+        scheduler.update(plan, [9] * len(plan.sampling_items))
+    assert not scheduler.has_unfinished()
+    assert [len(r.output_token_ids) for r in requests] == [4, 4]
+    assert preempted == ["b"]                                        # the newer one gave way
+    assert blocks.num_free_blocks == 8
