@@ -14,7 +14,7 @@ from llmlab.kernels.reference import filter_logits
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0         # 0 = greedy
+    temperature: float = 1.0         # 0 = greedy (so is anything below GREEDY_BELOW)
     top_k: int = -1                  # -1 = all tokens
     top_p: float = 1.0               # nucleus: smallest set of tokens with mass >= top_p
     min_p: float = 0.0               # drop tokens less likely than min_p x the top token
@@ -47,7 +47,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # 1 / temperature of a tiny positive temperature overflows float32 (vLLM's _SAMPLING_EPS)
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5
+
+
+def _top_k(k: int, vocab: int) -> int:
+    """top_k as the kernels take it: -1 (every token) when it keeps the whole vocabulary,
+    so a huge value neither overflows a tensor nor costs a sort."""
+    return k if 0 < k < vocab else -1
 
 
 def _is_int(x) -> bool:
@@ -87,7 +97,9 @@ class Sampler:
             return logits.argmax(dim=-1)
         # a few numbers per row, built on the host: the kernel moves them to the device (the
         # Triton one also reads them there to skip the passes no row needs)
-        floats = torch.tensor([(p.temperature, p.top_p, p.min_p, p.top_k) for p in params],
+        vocab = logits.shape[-1]
+        floats = torch.tensor([(0.0 if p.greedy else p.temperature, p.top_p, p.min_p, _top_k(p.top_k, vocab))
+                               for p in params],
                               dtype=torch.float32)
         temperature, top_p, min_p, top_k = floats.unbind(dim=1)
         return kernels.sample(logits, temperature, top_k.int(), top_p, min_p,
@@ -111,8 +123,8 @@ class Sampler:
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The exact distribution the sampler draws from: softmax of temperature-scaled logits
         after top-k, top-p and min-p. [S, V] -> [S, V] (greedy rows: all mass on the argmax)."""
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-        top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        top_k = torch.tensor([_top_k(p.top_k, logits.shape[-1]) for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
         x = filter_logits(logits.float() * (1.0 / temperature)[:, None], top_k, top_p, min_p)

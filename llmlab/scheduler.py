@@ -299,7 +299,8 @@ class Scheduler:
                 cached = self.blocks.match_prefix(request)
                 if cached:
                     request.num_computed_tokens = cached
-                    request.num_cached_prompt_tokens = cached
+                    if not request.num_preemptions:   # a re-admission finds its own blocks, output too
+                        request.num_cached_prompt_tokens = min(cached, len(request.prompt_token_ids))
                     plan.prefix_hit_tokens[request.request_id] = cached
             used = self._schedule_prefill(request, budget, plan)
             if used == 0:

@@ -223,3 +223,20 @@ def test_random_workloads_keep_greedy_output(llm, reference_tokens, picks, budge
     outputs = run_all(engine, [PROMPTS[i] for i in picks])
     assert [o.token_ids for o in outputs] == [reference_tokens[i] for i in picks]
     assert_all_blocks_free(engine)
+
+
+def test_a_stop_string_that_never_matches_changes_nothing(llm):
+    """A request that ends on a stop token id (as on EOS: finish_reason "stop" too) keeps its
+    whole text when it also has stop strings that never matched: the text the detokenizer
+    held back in case a stop string was starting is released."""
+    engine = make_engine(llm, num_gpu_blocks=256)
+    first = run_all(engine, [PROMPTS[1]], GREEDY)[0]
+    at = next(i for i in range(6, 12) if first.token_ids[i] not in first.token_ids[:i])
+    stop_id = first.token_ids[at]     # ends the request after `at` tokens
+    without = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])
+    with_stop = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id],
+                               stop=["a stop string the model never writes"])
+    plain, stopped = run_all(engine, [PROMPTS[1]] * 2, [without, with_stop])
+    assert plain.finish_reason == stopped.finish_reason == "stop"
+    assert len(plain.token_ids) == at + 1 and plain.text and stopped.text == plain.text
+    assert_all_blocks_free(engine)

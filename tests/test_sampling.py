@@ -272,3 +272,21 @@ def test_gpu_graphed_sampler_matches_its_launches(monkeypatch):
         graphed = kernels.sample(logits, *params, backend="triton")
         monkeypatch.setattr(triton_sample, "GRAPHS", False)
         assert torch.equal(graphed, kernels.sample(logits, *params, backend="triton")), num_rows
+
+
+def test_tiny_temperatures_and_a_huge_top_k_in_a_mixed_batch():
+    """A positive temperature whose reciprocal overflows float32 samples greedily (below
+    GREEDY_BELOW, as vLLM's _SAMPLING_EPS), and a top_k past the vocabulary (past int64 even)
+    keeps every token, next to ordinary rows: neither breaks the step nor yields token 0."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 1000, generator=gen)
+    logits[3] = logits[2]
+    params = [SamplingParams(temperature=1e-38), SamplingParams(temperature=1e-45),
+              SamplingParams(temperature=0.8, top_k=10**400), SamplingParams(temperature=0.8)]
+    assert params[0].greedy and not SamplingParams(temperature=1e-4).greedy
+    tokens = Sampler()(logits, params, [1, 2, 3, 3], [0] * 4)
+    assert torch.equal(tokens[:2], logits[:2].argmax(dim=-1))
+    assert tokens[2] == tokens[3]                # same row, seed and position: top_k changed nothing
+    probs = Sampler.probabilities(logits, params)
+    assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), 1000).float())
+    assert torch.allclose(probs[2], probs[3])

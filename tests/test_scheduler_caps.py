@@ -85,3 +85,21 @@ def test_prefills_that_together_outgrow_the_cache_do_not_deadlock(caps, mode):
     assert [len(r.output_token_ids) for r in requests] == [4, 4]
     assert preempted == ["b"]                                        # the newer one gave way
     assert blocks.num_free_blocks == 8
+
+
+def test_a_readmitted_request_keeps_its_first_cached_token_count():
+    """After a recompute preemption the prefix cache holds the request's own blocks, output
+    included: re-admitting it computes less, but its usage (cached prompt tokens) still says
+    what the first admission found, never more than the prompt."""
+    config = EngineConfig(device="cpu", max_num_batched_tokens=512)
+    scheduler = Scheduler(config, BlockManager(64, 0, 16), max_model_len=1024)
+    request = Request("r", None, [5] * 40, SamplingParams(max_tokens=100))
+    scheduler.add(request)
+    for _ in range(30):
+        plan = scheduler.schedule()
+        scheduler.update(plan, [9] * len(plan.sampling_items))
+    assert request.num_cached_prompt_tokens == 0 and request.num_tokens == 70
+    scheduler._preempt(request, scheduler.schedule())
+    plan = scheduler.schedule()
+    assert plan.prefix_hit_tokens["r"] == 64              # its own 4 full blocks, output included
+    assert request.num_cached_prompt_tokens == 0

@@ -366,3 +366,22 @@ def test_client_errors_are_counted_and_the_rest_keeps_working(server, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", temperature=-1)
     assert metrics(server)[rejected] == before + 1
+
+
+def test_a_body_cut_off_by_the_client_is_a_499_not_a_server_error():
+    """A client that hangs up halfway through its upload gets nothing counted as a 500."""
+    from starlette.requests import Request
+
+    from llmlab.server.app import read_body
+    from llmlab.server.protocol import APIError
+
+    messages = iter([{"type": "http.request", "body": b'{"prompt": "Hel', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    request = Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"1000")]}, receive)
+    with pytest.raises(APIError) as err:
+        asyncio.run(read_body(request, 1 << 20))
+    assert err.value.status == 499 and err.value.code == "client_closed_request"

@@ -238,7 +238,8 @@ class LLMEngine:
         """The engine's side of a request the scheduler has finished: its end time, the
         held-back text released (unless a stop ended it), events."""
         request.finish_time = time.perf_counter()
-        if request.detokenizer is not None and request.finish_reason != "stop":
+        # EOS and stop token ids end with "stop" too: only a matched stop string cuts the text
+        if request.detokenizer is not None and request.detokenizer.stopped_on is None:
             request.detokenizer.finish()
         self.requests.pop(request.request_id, None)
         if self.hooks.active:

@@ -22,7 +22,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request    # = fastapi.Request; FastAPI finds it by this name
+from starlette.requests import ClientDisconnect, Request    # = fastapi.Request; FastAPI finds it by this name
 from llmlab.request import ContextLengthError
 from llmlab.server.async_engine import AsyncEngine, RequestStream
 from llmlab.server.guards import api_key_checker, host_checker, require_json
@@ -209,8 +209,12 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise too_large
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > max_body_bytes:
-            raise too_large
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > max_body_bytes:
+                raise too_large
+    except ClientDisconnect:   # nobody to answer; a client's doing, not a server failure (nginx's 499)
+        raise APIError(499, "the client closed the connection before sending the whole body",
+                       code="client_closed_request") from None
     return bytes(body)
