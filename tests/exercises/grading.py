@@ -118,32 +118,58 @@ def ragged(block_size):
     return [1, block_size - 1, block_size, block_size + 1, 7 * block_size // 2]
 
 
+# Scores the random cases never produce (their scores stay within a few units of 0):
+SCORES = {
+    "usual": None,
+    # in the hundreds: exp(score) (or exp(lse)) without the running max taken off overflows
+    "large": "a softmax without the max subtracted overflows here: exp(s - m), with m the running max "
+             "(and, combining splits, weights exp(lse_i - max lse))",
+    # all far below 0 (about -250): a running max started at 0 instead of -inf underflows every exp to 0
+    "very negative": "every score here is about -250: start the running max at -inf, not 0 (exp(s - 0) "
+                     "underflows to 0 and the sum l is 0)",
+}
+
+
+def shape_scores(q, k_cache, scores: str):
+    """Push q and k (in place, keeping their layouts) so the scores are `scores` (SCORES);
+    the tolerance to compare with (fp32 rounding of scores in the hundreds is ~1e-4)."""
+    if scores == "large":
+        q.mul_(100.0)
+    elif scores == "very negative":
+        k_cache.add_(4.0)
+        q.abs_().mul_(-10.0)
+    return FP32_TOL if scores == "usual" else dict(atol=1e-3, rtol=1e-3)
+
+
 def check_decode_attention(ex, case, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits=1,
-                           seed=0, hint=""):
+                           seed=0, hint="", scale=None, scores="usual"):
     """ex.decode_attention against the reference on one case; a mismatch fails with a report
-    of which sequences and heads differ and what that points to (diagnose.check_attention)."""
+    of which sequences and heads differ and what that points to (diagnose.check_attention).
+    `scale` defaults to head_dim ** -0.5; `scores` is a key of SCORES."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, gen)
     q = randn_view(len(seq_lens), num_heads, head_dim, gen=gen)
+    tol = shape_scores(q, k_cache, scores)
+    hint = " ".join(filter(None, [hint, SCORES[scores]]))
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
+    scale = head_dim ** -0.5 if scale is None else scale
     actual = ex.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, num_splits)
     # The reference reads whole blocks and masks afterwards (0 * NaN = NaN), so it gets the
     # caches with the unowned slots zeroed; the kernel must never read them at all.
     expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
                                           block_tables, lens, scale)
     close = isinstance(actual, torch.Tensor) and actual.shape == expected.shape and \
-        torch.allclose(actual, expected, **FP32_TOL)
+        torch.allclose(actual, expected, **tol)
     notes = []
     if not close and num_splits > 1:
         one_split = ex.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, 1)
-        if one_split.shape == expected.shape and torch.allclose(one_split, expected, **FP32_TOL):
+        if one_split.shape == expected.shape and torch.allclose(one_split, expected, **tol):
             notes.append(f"-> with num_splits=1 these inputs match, with {num_splits} they do not: check the "
                          "split ranges (together they cover keys 0..seq_len-1 once; a split past the end "
                          "weighs nothing) and the combine: lse_i = m_i + log(l_i), weights exp(lse_i - max lse)")
     case = f"{case!r} ({num_heads} query / {num_kv_heads} kv heads, head_dim {head_dim}, block_size " \
-           f"{block_size}, num_splits {num_splits}, seq_lens {seq_lens})"
-    check_attention(actual, expected, case=case, tol=FP32_TOL, seq_lens=seq_lens, block_size=block_size,
+           f"{block_size}, num_splits {num_splits}, seq_lens {seq_lens}, scale {scale:.4g}, {scores} scores)"
+    check_attention(actual, expected, case=case, tol=tol, seq_lens=seq_lens, block_size=block_size,
                     num_kv_heads=num_kv_heads, hint=hint, notes=notes)
 
 

@@ -46,6 +46,15 @@ def test_empty_batch(ex):
     assert out.shape == (0, 4, 64), "no sequences: return an empty [0, num_heads, head_dim] tensor"
 
 
+@pytest.mark.parametrize("scale,scores", [(0.3, "usual"), (None, "large"), (None, "very negative")],
+                         ids=["scale-0.3", "large-scores", "very-negative-scores"])
+def test_inputs_the_random_cases_miss(ex, scale, scores):
+    """The `scale` argument (not head_dim ** -0.5, which every case above passes) and scores
+    far from 0 in both directions."""
+    check_decode_attention(ex, "unusual scores", 4, 2, 64, 16, [16, 37, 100], num_splits=1, scale=scale,
+                           scores=scores)
+
+
 def test_end_to_end(ex, engine_llm, reference_token_ids):
     """The embedded model, every decode step's attention on your kernel: the same greedy text."""
     check_end_to_end(engine_llm, reference_token_ids, "decode_attention", ex.decode_attention)

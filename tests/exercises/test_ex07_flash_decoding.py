@@ -34,6 +34,15 @@ def test_case(ex, request, num_heads, num_kv_heads, head_dim, block_size, seq_le
                            seq_lens, num_splits, hint=f"this case checks {checks}")
 
 
+@pytest.mark.parametrize("scale,scores", [(0.3, "usual"), (None, "large"), (None, "very negative")],
+                         ids=["scale-0.3", "large-scores", "very-negative-scores"])
+def test_inputs_the_random_cases_miss(ex, scale, scores):
+    """The `scale` argument (not head_dim ** -0.5, which every case above passes) and scores
+    far from 0 in both directions."""
+    check_decode_attention(ex, "unusual scores", 4, 2, 64, 16, [16, 37, 100], num_splits=3, scale=scale,
+                           scores=scores)
+
+
 def test_end_to_end(ex, engine_llm, reference_token_ids):
     """The embedded model's decode steps on your kernel, each context split in two (the
     engine asks for one split on a CPU)."""

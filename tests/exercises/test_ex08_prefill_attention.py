@@ -8,25 +8,27 @@ import pytest
 import torch
 
 from diagnose import check_attention
-from grading import DEVICE, FP32_TOL, check_end_to_end, paged_kv, randn_view
+from grading import DEVICE, SCORES, check_end_to_end, paged_kv, randn_view, shape_scores
 from llmlab.kernels import reference
 
 EXERCISE = "ex08_prefill_attention"
 
 
 def check_prefill_attention(ex, case, num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_lens,
-                            seed=0, hint=""):
+                            seed=0, hint="", scale=None, scores="usual"):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, gen)
     cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).to(DEVICE)
     q = randn_view(sum(query_lens), num_heads, head_dim, gen=gen)
+    tol = shape_scores(q, k_cache, scores)
+    hint = " ".join(filter(None, [hint, SCORES[scores]]))
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
+    scale = head_dim ** -0.5 if scale is None else scale
     actual = ex.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
     expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
     case = (f"{case!r} ({num_heads} query / {num_kv_heads} kv heads, head_dim {head_dim}, block_size "
-            f"{block_size}, seq_lens {seq_lens}, new query tokens {query_lens})")
-    check_attention(actual, expected, case=case, tol=FP32_TOL, seq_lens=seq_lens, block_size=block_size,
+            f"{block_size}, seq_lens {seq_lens}, new query tokens {query_lens}, scale {scale:.4g}, {scores} scores)")
+    check_attention(actual, expected, case=case, tol=tol, seq_lens=seq_lens, block_size=block_size,
                     num_kv_heads=num_kv_heads, query_lens=query_lens, hint=hint)
 
 
@@ -59,6 +61,15 @@ CASES = [
 def test_case(ex, request, num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_lens, checks):
     check_prefill_attention(ex, request.node.callspec.id, num_heads, num_kv_heads, head_dim, block_size,
                             seq_lens, query_lens, seed=1, hint=f"this case checks {checks}")
+
+
+@pytest.mark.parametrize("scale,scores", [(0.3, "usual"), (None, "large"), (None, "very negative")],
+                         ids=["scale-0.3", "large-scores", "very-negative-scores"])
+def test_inputs_the_random_cases_miss(ex, scale, scores):
+    """The `scale` argument (not head_dim ** -0.5, which every case above passes) and scores
+    far from 0 in both directions, with a chunk after cached tokens."""
+    check_prefill_attention(ex, "unusual scores", 4, 2, 64, 16, [16, 37], [16, 20], seed=1, scale=scale,
+                            scores=scores)
 
 
 def test_empty_batch(ex):
