@@ -240,3 +240,53 @@ def test_a_stop_string_that_never_matches_changes_nothing(llm):
     assert plain.finish_reason == stopped.finish_reason == "stop"
     assert len(plain.token_ids) == at + 1 and plain.text and stopped.text == plain.text
     assert_all_blocks_free(engine)
+
+
+def test_ids_aborts_and_a_bad_prompt_late_in_a_batch(llm):
+    """An automatic id skips ids callers chose; abort takes the id as add_request took it
+    (str of it); a prompt that cannot be encoded is a ValueError, and LLM.generate leaves
+    no earlier prompt of its batch behind in the engine."""
+    engine = make_engine(llm, num_gpu_blocks=64)
+    assert engine.add_request("Hello", GREEDY, request_id="0") == "0"
+    assert engine.add_request("Hello", GREEDY, request_id=1) == "1"
+    assert engine.add_request("a", GREEDY) not in ("0", "1")
+    engine.abort(1)
+    assert "1" not in engine.requests
+    for bad in ("\ud800", [{"role": "user", "content": 5}]):
+        with pytest.raises(ValueError, match="encoded|content"):
+            engine.add_request(bad, GREEDY)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    front = llmlab.LLM.from_engine(engine)
+    with pytest.raises(ValueError):
+        front.generate(["fine", "\ud800"], GREEDY)
+    with pytest.raises(ValueError):
+        front.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": 5}]], GREEDY)
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_async_engine_abort_ends_the_readers_stream(llm):
+    """AsyncEngine.abort: a reader iterating the stream gets a last output, finish_reason
+    "abort", instead of waiting forever; the blocks come back."""
+    import asyncio
+
+    from llmlab.server.async_engine import AsyncEngine
+
+    engine = make_engine(llm, num_gpu_blocks=64)
+    async_engine = AsyncEngine(engine)
+
+    async def main():
+        async_engine.start()
+        try:
+            stream = await async_engine.add_request("x", llm.tokenizer.encode("Once upon a time"),
+                                                    SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+            async for out in stream.outputs():
+                async_engine.abort("x")
+            return out
+        finally:
+            async_engine.stop()
+
+    last = asyncio.run(asyncio.wait_for(main(), 120))
+    assert last.finished and last.finish_reason == "abort"
+    assert_all_blocks_free(engine)

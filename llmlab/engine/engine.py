@@ -82,13 +82,21 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer; pass the prompt as token ids")
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), prompt
+            try:
+                return self.tokenizer.encode(prompt), prompt
+            except (TypeError, UnicodeError) as err:   # a lone surrogate ("\ud800") is no UTF-8
+                raise ValueError(f"prompt cannot be encoded: {err}") from None
+        bad = [m for m in prompt if not isinstance(m.get("content", ""), str) or not isinstance(m.get("role"), str)]
+        if bad:
+            raise ValueError(f'each chat message needs a string "role" and "content", got {bad[0]!r}')
         from jinja2 import TemplateError   # chat templates are Jinja templates
 
         try:
             return self.tokenizer.apply_chat_template(list(prompt)), None
         except TemplateError as err:   # e.g. a template that only allows alternating roles
             raise ValueError(f"chat template: {err}") from None
+        except (TypeError, UnicodeError) as err:
+            raise ValueError(f"chat messages cannot be encoded: {err}") from None
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -106,7 +114,10 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len} (the prompt and at least one new token must fit)")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:   # the next number no caller has taken
+            while (request_id := str(next(self._ids))) in self.requests:
+                pass
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, text, token_ids, params)
@@ -121,7 +132,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now, wherever it is (waiting, mid-prefill, swapped); frees its blocks."""
-        request = self.requests.get(request_id)
+        request = self.requests.get(str(request_id))   # add_request took str(request_id) too
         if request is not None:
             self._finish(request, "abort")
 

@@ -46,8 +46,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(engine.add_request(prompt, p))
-        except ValueError:
-            for rid in ids:     # leave the engine as we found it
+        except BaseException:   # a bad prompt (or a Ctrl-C) halfway: leave the engine as we found it
+            for rid in ids:
                 engine.abort(rid)
             raise
         wanted = set(ids)

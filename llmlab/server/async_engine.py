@@ -227,8 +227,11 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            request = self.engine.requests.get(request_id)
             self.engine.abort(request_id)
             self._finished(stream, "abort", time.perf_counter())
+            if request is not None:   # a reader still iterating outputs() gets the end: finish_reason "abort"
+                self._put(stream, RequestOutput.of(request))
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
