@@ -52,6 +52,33 @@ def test_full_vocabulary(ex):
                                atol=1e-7, rtol=1e-6)
 
 
+def test_top_p_exactly_at_a_mass(ex):
+    """top_p equal to the mass before the 4th token: that token goes (kept only if the mass
+    before it is < top_p), 3 stay; the Sampler agrees."""
+    logits = torch.randn(1, 10, generator=torch.Generator().manual_seed(0)) * 2
+    probs = logits.sort(dim=-1, descending=True).values.softmax(-1)
+    top_p = (probs.cumsum(-1) - probs)[0, 3].item()
+    for given in (top_p, torch.tensor([top_p])):
+        assert (ex.top_p_filter(logits, given) != float("-inf")).sum().item() == 3
+    assert (sampler_probabilities(logits, top_p) > 0).sum().item() == 3
+
+
+def test_top_p_one_keeps_every_token(ex):
+    """top_p = 1: every token, even where the float32 mass of a large vocabulary reaches 1.0
+    before its last tokens."""
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    assert (ex.top_p_filter(logits, 1.0) != float("-inf")).all(), "top_p = 1 keeps every token"
+    assert (ex.top_p_filter(logits, torch.ones(4)) != float("-inf")).all()
+
+
+def test_ties_at_the_cut_are_kept(ex):
+    """Three equal logits where the cut falls: all three stay (the cut is on the value)."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    kept = (ex.top_p_filter(logits, 0.5) != float("-inf")).tolist()
+    assert kept == [[True, True, True, True, False]], kept
+    torch.testing.assert_close(ex.top_p_filter(logits, 0.5).softmax(-1), sampler_probabilities(logits, 0.5))
+
+
 def test_end_to_end(ex, llm):
     """The engine's sampler with your filter in place of llmlab's top-p cut: seeded top-p
     sampling generates the same tokens (the noise and the draw are llmlab's own)."""
