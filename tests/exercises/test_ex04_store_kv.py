@@ -31,12 +31,13 @@ def test_matches_reference(ex, block_size, num_kv_heads, head_dim):
 
 
 def test_one_layer_of_a_stacked_cache(ex):
-    """The engine passes kv_cache[layer, 0] and kv_cache[layer, 1]: views into one tensor."""
+    """The engine passes kv_cache[layer, 0] and kv_cache[layer, 1]: views into one tensor.
+    A padding token (slot -1) written anyway lands in the tensor before the view, and shows."""
     gen = torch.Generator().manual_seed(7)
     kv_cache = torch.full((2, 2, 4, 16, 2, 64), NAN, device=DEVICE)  # [layers, k|v, blocks, block_size, Hkv, D]
     expected = kv_cache.clone()
-    k, v = randn_view(3, 2, 64, gen=gen), randn_view(3, 2, 64, gen=gen)
-    slots = torch.tensor([5, 16, 63], device=DEVICE)
+    k, v = randn_view(4, 2, 64, gen=gen), randn_view(4, 2, 64, gen=gen)
+    slots = torch.tensor([5, -1, 16, 63], device=DEVICE)
     ex.store_kv(k, v, kv_cache[1, 0], kv_cache[1, 1], slots)
     reference.store_kv(k, v, expected[1, 0], expected[1, 1], slots)
     assert_same_with_nans(kv_cache.flatten(0, 2), expected.flatten(0, 2),

@@ -62,19 +62,37 @@ def test_matches_reference(ex, block_size, num_kv_heads, head_dim):
 
 
 def test_one_layer_of_a_stacked_cache(ex):
-    """The engine passes kv_cache[layer, 0|1] and kv_scales[layer, 0|1]: views into one tensor each."""
+    """The engine passes kv_cache[layer, 0|1] and kv_scales[layer, 0|1]: views into one tensor each.
+    A padding token (slot -1) written anyway lands in the tensor before the view, and shows."""
     gen = torch.Generator().manual_seed(7)
     kv_cache = torch.full((2, 2, 4, 16, 2, 64), UNWRITTEN, dtype=torch.int8, device=DEVICE)
     kv_scales = torch.full((2, 2, 4, 16, 2), NAN, device=DEVICE)   # [layers, k|v, blocks, block_size, Hkv]
     expected_cache, expected_scales = kv_cache.clone(), kv_scales.clone()
-    k, v = randn_view(3, 2, 64, gen=gen), randn_view(3, 2, 64, gen=gen)
-    slots = torch.tensor([5, 16, 63], device=DEVICE)
+    k, v = randn_view(4, 2, 64, gen=gen), randn_view(4, 2, 64, gen=gen)
+    slots = torch.tensor([5, -1, 16, 63], device=DEVICE)
     ex.store_kv(k, v, kv_cache[1, 0], kv_cache[1, 1], slots, kv_scales[1, 0], kv_scales[1, 1])
     reference.store_kv(k, v, expected_cache[1, 0], expected_cache[1, 1], slots,
                        expected_scales[1, 0], expected_scales[1, 1])
     check_written([kv_cache.flatten(0, 2), kv_scales.flatten(0, 2)],
                   [expected_cache.flatten(0, 2), expected_scales.flatten(0, 2)],
                   "layer 1 of a stacked cache (blocks of all layers in a row)")
+
+
+@pytest.mark.parametrize("row,why", [
+    ([127.0, -0.5, 0.5, -1.5, 1.5, -2.5, 2.5, -126.5], "half-way values (absmax 127, so x * 127 / absmax = x): "
+     "floor(y + 0.5) rounds them up, not away from zero nor to even"),
+    ([2.402235984802246, 1.5605075359344482], "a value next to a rounding edge: x * (127 / absmax), not "
+     "x / (absmax / 127), which rounds differently here"),
+], ids=["half-way", "rounding-edge"])
+def test_codes_exactly_as_the_reference_rounds(ex, row, why):
+    """Random rows seldom land on a rounding edge; these do."""
+    k = torch.tensor(row + [0.0] * (16 - len(row)), device=DEVICE).view(1, 1, 16)
+    actual = empty_int8_cache((1, 16, 1, 16))
+    expected = [t.clone() for t in actual]
+    slots = torch.tensor([3], device=DEVICE)
+    ex.store_kv(k, k, actual[0], actual[1], slots, actual[2], actual[3])
+    reference.store_kv(k, k, expected[0], expected[1], slots, expected[2], expected[3])
+    check_written(actual, expected, why)
 
 
 def test_round_trip_is_within_half_a_step(ex):
