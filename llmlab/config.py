@@ -40,36 +40,54 @@ class EngineConfig:
     pipeline_parallel_size: int = 1     # stages the layers are split into, tensor_parallel_size ranks each
 
     def __post_init__(self):
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_token_budget(self.resolved_device())
+        def integer(x, low, none_ok=False):
+            return (none_ok and x is None) or (isinstance(x, int) and not isinstance(x, bool) and x >= low)
+
+        def number(x, low, high=float("inf")):   # finite, low <= x <= high (gpu_memory_utilization: > 0 too)
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high and x < float("inf")
+
+        def flag(x, none_ok=False):
+            return (none_ok and x is None) or isinstance(x, bool)
+
+        bs = self.block_size
+        # each check is evaluated only after the ones before it passed, so a value of the
+        # wrong type gets its own message rather than a TypeError from a later comparison
         checks = [
-            ("dtype", self.dtype in ("auto", "float32", "float16", "bfloat16"),
-             "one of auto, float32, float16, bfloat16"),
-            ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            ("device", lambda: isinstance(self.device, str) and (
+                self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None),
              "auto, cpu or cuda[:N]"),
-            ("backend", self.backend in ("auto", "reference", "torch", "triton"), "auto, reference, torch or triton"),
-            ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            ("dtype", lambda: self.dtype in ("auto", "float32", "float16", "bfloat16"),
+             "one of auto, float32, float16, bfloat16"),
+            ("backend", lambda: self.backend in ("auto", "reference", "torch", "triton"),
+             "auto, reference, torch or triton"),
+            ("block_size", lambda: integer(bs, 1) and bs & (bs - 1) == 0,
              "a power of two (the attention kernels tile the cache by it)"),
-            ("num_gpu_blocks", self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
-             "None or a positive integer"),
-            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            ("swap_space", self.swap_space >= 0, ">= 0"),
-            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
-            ("long_prefill_token_threshold", isinstance(self.long_prefill_token_threshold, int)
-             and self.long_prefill_token_threshold >= 0, "an integer >= 0 (0 = no cap)"),
-            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
-             "None or >= 1"),
-            ("preemption_mode", self.preemption_mode in ("swap", "recompute"),
-             "swap or recompute"),
-            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
-             and self.tensor_parallel_size >= 1, "a positive integer"),
-            ("pipeline_parallel_size", isinstance(self.pipeline_parallel_size, int)
-             and self.pipeline_parallel_size >= 1, "a positive integer"),
+            ("num_gpu_blocks", lambda: integer(self.num_gpu_blocks, 1, none_ok=True), "None or a positive integer"),
+            ("gpu_memory_utilization", lambda: number(self.gpu_memory_utilization, 0, 1)
+             and self.gpu_memory_utilization > 0, "in (0, 1]"),
+            ("cpu_kv_cache_gib", lambda: number(self.cpu_kv_cache_gib, 0) and self.cpu_kv_cache_gib > 0,
+             "a positive number (GiB)"),
+            ("swap_space", lambda: number(self.swap_space, 0), "a number >= 0 (GiB)"),
+            ("max_num_seqs", lambda: integer(self.max_num_seqs, 1), "an integer >= 1"),
+            ("max_num_batched_tokens", lambda: integer(self.max_num_batched_tokens, 1, none_ok=True),
+             "None or an integer >= 1"),
+            ("long_prefill_token_threshold", lambda: integer(self.long_prefill_token_threshold, 0),
+             "an integer >= 0 (0 = no cap)"),
+            ("max_model_len", lambda: integer(self.max_model_len, 1, none_ok=True), "None or an integer >= 1"),
+            ("async_scheduling", lambda: flag(self.async_scheduling, none_ok=True), "None, True or False"),
+            ("enable_chunked_prefill", lambda: flag(self.enable_chunked_prefill), "True or False"),
+            ("enable_prefix_caching", lambda: flag(self.enable_prefix_caching), "True or False"),
+            ("enforce_eager", lambda: flag(self.enforce_eager), "True or False"),
+            ("seed", lambda: integer(self.seed, -2**63), "an integer"),
+            ("preemption_mode", lambda: self.preemption_mode in ("swap", "recompute"), "swap or recompute"),
+            ("tensor_parallel_size", lambda: integer(self.tensor_parallel_size, 1), "a positive integer"),
+            ("pipeline_parallel_size", lambda: integer(self.pipeline_parallel_size, 1), "a positive integer"),
         ]
         for name, ok, expected in checks:
-            if not ok:
+            if not ok():
                 raise ValueError(f"EngineConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_token_budget(self.resolved_device())
         self._check_kv_cache_dtype()
 
     def _check_kv_cache_dtype(self) -> None:

@@ -161,6 +161,8 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, match):
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"), ({"stop": 5}, "stop must be a list"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -290,3 +292,17 @@ def test_async_engine_abort_ends_the_readers_stream(llm):
     last = asyncio.run(asyncio.wait_for(main(), 120))
     assert last.finished and last.finish_reason == "abort"
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("device", "gpu"), ("device", None), ("device", "cuda:x"), ("block_size", 16.0), ("block_size", "16"),
+    ("block_size", 24), ("num_gpu_blocks", 1.5), ("max_model_len", 100.5), ("max_num_seqs", 2.5),
+    ("max_num_batched_tokens", 1.5), ("cpu_kv_cache_gib", float("nan")), ("cpu_kv_cache_gib", "1"),
+    ("swap_space", float("inf")), ("async_scheduling", "no"), ("enable_prefix_caching", "no"),
+    ("enable_chunked_prefill", 1), ("enforce_eager", None), ("seed", 1.0),
+])
+def test_bad_engine_config_names_the_field(name, value):
+    """A value of the wrong type or range is a ValueError naming the field, before anything
+    compares or converts it (no TypeError from deep inside; "no" is not taken as True)."""
+    with pytest.raises(ValueError, match=f"EngineConfig.{name} must be"):
+        EngineConfig(**{name: value})
