@@ -306,3 +306,24 @@ def test_bad_engine_config_names_the_field(name, value):
     compares or converts it (no TypeError from deep inside; "no" is not taken as True)."""
     with pytest.raises(ValueError, match=f"EngineConfig.{name} must be"):
         EngineConfig(**{name: value})
+
+
+def test_token_ids_as_a_tensor_an_array_or_numpy_integers(llm):
+    """Token ids come as a list of ints, a tuple, a tensor, a numpy array or numpy integers:
+    the same prompt each time; True/False are not token ids; a bare number is no prompt."""
+    import numpy as np
+    import torch
+
+    engine = make_engine(llm, num_gpu_blocks=64)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    for same in (tuple(ids), torch.tensor(ids), np.array(ids), [np.int64(t) for t in ids]):
+        assert engine.tokenize(same) == (ids, None)
+    with pytest.raises(ValueError):
+        engine.tokenize([True, False, 5])
+    front = llmlab.LLM.from_engine(engine)
+    outputs = front.generate(torch.tensor([ids, ids]), GREEDY)
+    assert len(outputs) == 2 and outputs[0].token_ids == outputs[1].token_ids
+    assert front.generate(tuple(ids), GREEDY)[0].token_ids == outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompts must be"):
+        front.generate(5, GREEDY)
+    assert_all_blocks_free(engine)

@@ -14,6 +14,7 @@ call is read by the next: the host plans and prepares step N+1 while the device 
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 
 import torch
@@ -73,8 +74,11 @@ class LLMEngine:
         are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
         chat template, then encoded). The text is the string given, else None. The one place
         prompts become tokens: add_request, LLM.chat, the CLI and the server all come here."""
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt), None
+        if hasattr(prompt, "tolist") and not isinstance(prompt, str):   # a tensor or array of token ids
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return [int(t) for t in prompt], None   # (numpy's integers too)
         is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
         if not (isinstance(prompt, str) or is_messages):
             raise ValueError('prompt must be a string, a list of token ids, or chat messages '

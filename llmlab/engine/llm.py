@@ -1,6 +1,7 @@
 """`LLM`: the offline entry point. Builds an engine, runs prompts to completion."""
 from __future__ import annotations
 
+import numbers
 import time
 
 from tqdm.auto import tqdm
@@ -34,8 +35,13 @@ class LLM:
         """Generate for one prompt or a list (texts, token-id lists or chat conversations: any
         prompt LLMEngine.add_request takes), batched by the engine.
         Returns one finished RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+        if hasattr(prompts, "tolist"):   # a tensor or an array of token ids (one prompt, or a row per prompt)
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], (numbers.Integral, dict))):
             prompts = [prompts]   # one prompt: a text, token ids or a conversation
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         params = params if params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
