@@ -223,6 +223,14 @@ BAD_INPUTS = {
         400, "max_completion_tokens", "context_length_exceeded"),
     "max_completion_tokens < 1": ("/v1/chat/completions", body_of(
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}), 400, "max_completion_tokens", None),
+    "logprobs 0 (completions: still the sampled tokens' logprobs)": ("/v1/completions", body_of(
+        {"prompt": "hi", "logprobs": 0}), 400, "logprobs", "unsupported_parameter"),
+    "best_of true (not best_of 1)": ("/v1/completions", body_of({"prompt": "hi", "best_of": True}), 400, "best_of",
+                                     "unsupported_parameter"),
+    "presence_penalty false": ("/v1/completions", body_of({"prompt": "hi", "presence_penalty": False}), 400,
+                               "presence_penalty", "unsupported_parameter"),
+    "stop an empty string": ("/v1/completions", body_of({"prompt": "hi", "stop": ""}), 400, "stop", None),
+    "top_k -5": ("/v1/completions", b'{"prompt": "hi", "top_k": -5}', 400, "top_k", None),
     "user message without content": ("/v1/chat/completions", body_of(
         {"messages": [{"role": "user", "content": None}]}), 400, "messages", None),
 }
@@ -238,11 +246,27 @@ def test_bad_input_gets_an_openai_error(server, name):
         response = h.post(path, content=body, headers={"Content-Type": "application/json"})
         assert response.status_code == status, response.text
         error = response.json()["error"]
+        assert "SamplingParams" not in error["message"], "the message names the request's field, not a class"
         assert error["message"] and error["type"] == "invalid_request_error"
         assert not EXCEPTION_NAME.search(error["message"]), error["message"]
         assert (error["param"], error["code"]) == (param, code)
         assert h.get("/health").status_code == 200
         assert h.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
+
+
+def test_a_huge_top_k_fails_nobody(server):
+    """top_k past the vocabulary (past int64 even) means every token: the request and one
+    sampling beside it in the same batch both finish (it used to fail the whole step)."""
+    huge = {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0, "top_k": 10**30}
+    plain = {"prompt": "Hello there", "max_tokens": 4, "temperature": 1.0}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as h:
+            return await asyncio.gather(h.post("/v1/completions", json=huge), h.post("/v1/completions", json=plain))
+
+    for response in asyncio.run(both()):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_more_errors(server, client):

@@ -34,7 +34,8 @@ class APIError(Exception):
 # OpenAI fields this server does not implement, accepted only at their "off" value (or
 # null), so a client that relies on one gets a clear 400 instead of different behaviour.
 UNSUPPORTED_FIELDS = {
-    "echo": (False,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,),
+    # (completions' logprobs: 0 still asks for the sampled tokens' logprobs: only false is off)
+    "echo": (False,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
     "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
 }
@@ -42,6 +43,12 @@ UNSUPPORTED_FIELDS = {
 
 # strict types, no Infinity/NaN; unknown top-level fields are ignored (as vLLM does)
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def is_off(value, off: tuple) -> bool:
+    """Whether `value` is one of a field's off values, a boolean only where the off value is
+    one (Python has True == 1 and False == 0: best_of true is not best_of 1)."""
+    return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off)
 
 
 class StreamOptions(BaseModel):
@@ -73,7 +80,7 @@ class SamplingFields(BaseModel):
     def reject_unsupported(cls, data):
         if isinstance(data, dict):
             for name, off in UNSUPPORTED_FIELDS.items():
-                if data.get(name) is not None and data[name] not in off:
+                if data.get(name) is not None and not is_off(data[name], off):
                     raise APIError(400, f"'{name}' is not supported by this server", param=name,
                                    code="unsupported_parameter")
         return data
@@ -101,7 +108,8 @@ class SamplingFields(BaseModel):
             raise APIError(400, "only n=1 is supported", param="n")
         requested, param = self.requested_max_tokens
         fields = dict(max_tokens=requested if max_tokens is None else max_tokens, temperature=self.temperature,
-                      top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop or [],
+                      top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                      stop=[] if self.stop is None else self.stop,   # "" is refused, as [""] is
                       ignore_eos=self.ignore_eos)
         if fields["max_tokens"] is None:
             fields["max_tokens"] = 1    # (only checking the other fields, before the prompt is known)
@@ -109,7 +117,8 @@ class SamplingFields(BaseModel):
             return SamplingParams(**fields)
         except ValueError as err:
             field = refused_field(fields)
-            raise APIError(400, str(err), param=param if field == "max_tokens" else field) from None
+            name = param if field == "max_tokens" else field     # the request's name for it
+            raise APIError(400, str(err).replace(f"SamplingParams.{field}", f"'{name}'"), param=name) from None
 
 
 def refused_field(fields: dict) -> str | None:
