@@ -32,7 +32,8 @@ WHY = {
     signal.SIGSEGV: "likely an out-of-bounds read or write: a tl.load / tl.store whose mask lets a lane "
                     "past the end of a tensor (or a block-table entry past a sequence's blocks)",
     signal.SIGBUS: "likely an out-of-bounds read or write: check the masks of every tl.load / tl.store",
-    signal.SIGABRT: "the process aborted (a failed check inside Triton or torch)",
+    signal.SIGABRT: "the process aborted: a failed check inside Triton or torch, or the C heap corrupted by an "
+                    "out-of-bounds tl.store (check each store's mask: padding slots, rows past a sequence's end)",
     signal.SIGKILL: "killed (out of memory?)",
 }
 
