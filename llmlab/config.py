@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -43,8 +44,8 @@ class EngineConfig:
         def integer(x, low, none_ok=False):
             return (none_ok and x is None) or (isinstance(x, int) and not isinstance(x, bool) and x >= low)
 
-        def number(x, low, high=float("inf")):   # finite, low <= x <= high (gpu_memory_utilization: > 0 too)
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high and x < float("inf")
+        def number(x, low, high=math.inf):   # a finite number in [low, high]
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and low <= x <= high
 
         def flag(x, none_ok=False):
             return (none_ok and x is None) or isinstance(x, bool)

@@ -90,16 +90,13 @@ class LLMEngine:
                 return self.tokenizer.encode(prompt), prompt
             except (TypeError, UnicodeError) as err:   # a lone surrogate ("\ud800") is no UTF-8
                 raise ValueError(f"prompt cannot be encoded: {err}") from None
-        bad = [m for m in prompt if not isinstance(m.get("content", ""), str) or not isinstance(m.get("role"), str)]
-        if bad:
-            raise ValueError(f'each chat message needs a string "role" and "content", got {bad[0]!r}')
         from jinja2 import TemplateError   # chat templates are Jinja templates
 
         try:
             return self.tokenizer.apply_chat_template(list(prompt)), None
         except TemplateError as err:   # e.g. a template that only allows alternating roles
             raise ValueError(f"chat template: {err}") from None
-        except (TypeError, UnicodeError) as err:
+        except (TypeError, UnicodeError) as err:   # e.g. a content that is no string
             raise ValueError(f"chat messages cannot be encoded: {err}") from None
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
