@@ -37,3 +37,17 @@ def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
     # one request at a time, from a cold cache each time: requests 2 and 3 find the 2-block prefix
     assert results[2]["prefix_hit_rate"] == results[3]["prefix_hit_rate"] > 0
     assert (tmp_path / "r.json").exists()
+
+
+def test_the_random_model_takes_the_command_lines_engine_flags():
+    """`--model random-llama3-8b` (the GPU benchmarks) builds its EngineConfig from the
+    command line: flags left unset (None in the namespace) keep the defaults, set ones win."""
+    from llmlab.bench.single_forward import random_engine_config
+    from llmlab.config import engine_kwargs
+
+    args = parse("--model", "random-llama3-8b", "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.25")
+    config = random_engine_config(args, engine_args=engine_kwargs(args))
+    assert (config.enforce_eager, config.tensor_parallel_size) == (False, 1)
+    assert (config.kv_cache_dtype, config.gpu_memory_utilization) == ("int8", 0.25)
+    args = parse("--model", "random-llama3-8b", "--enforce-eager")
+    assert random_engine_config(args, engine_args=engine_kwargs(args)).enforce_eager is True

@@ -29,11 +29,26 @@ def add_arguments(parser) -> None:
                              "(the HF peer stays on one)")
 
 
+def random_engine_config(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
+                         engine_args: dict | None = None):
+    """The EngineConfig of random_engine: the fields chosen here, then `engine_args` (the
+    EngineConfig flags a command was given). A flag left unset on the command line is None
+    in `args` and keeps the default here."""
+    from llmlab import EngineConfig
+
+    fields = dict(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
+                  tensor_parallel_size=getattr(args, "tp", None) or 1,
+                  enforce_eager=bool(getattr(args, "enforce_eager", None)))
+    fields.update({k: v for k, v in (engine_args or {}).items() if k != "model"})
+    return EngineConfig(**fields)
+
+
 def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
                   engine_args: dict | None = None):
     """An LLM with random weights in the Llama-3-8B shape (bf16 on CUDA), no tokenizer.
     `engine_args`: EngineConfig fields that override the ones chosen here."""
-    from llmlab import EngineConfig, LLMEngine
+    from llmlab import LLMEngine
     from llmlab.config import ModelConfig
     from llmlab.engine.llm import LLM
     from llmlab.model.llama import LlamaModel
@@ -41,11 +56,7 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
     hf = dict(LLAMA3_8B)
     if getattr(args, "layers", None):
         hf["num_hidden_layers"] = args.layers
-    fields = dict(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
-                  tensor_parallel_size=getattr(args, "tp", 1), enforce_eager=getattr(args, "enforce_eager", False))
-    fields.update({k: v for k, v in (engine_args or {}).items() if k != "model"})
-    config = EngineConfig(**fields)
+    config = random_engine_config(args, num_gpu_blocks, max_num_seqs, max_num_batched_tokens, engine_args)
     model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
     return LLM.from_engine(LLMEngine(config, model=model)), hf
 
