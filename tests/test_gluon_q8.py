@@ -1,6 +1,7 @@
 """The Gluon 8-bit decode kernel (kernels/gluon_decode_attention_q8.py) against the reference,
 on a GPU: lengths that are not multiples of its 16-token tiles or of the block size, empty
 splits, int8 and fp8 codes, NaN scales in every slot no sequence owns."""
+import itertools
 import math
 
 import pytest
@@ -49,7 +50,8 @@ def _case(cache_dtype, block_size, lens, group=4, seed=0):
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("variant", ["gluon-n16-w1-s2", "gluon-n16-w1-s4", "gluon-n32-w1-s3", "gluon-n64-w1-s3"])
+@pytest.mark.parametrize("variant", ["gluon-n16-w1-s2", "gluon-n16-w1-s4", "gluon-n32-w1-s2", "gluon-n32-w1-s3",
+                                     "gluon-n64-w1-s3"])
 def test_gluon_matches_reference(cache_dtype, block_size, num_splits, variant):
     if cache_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs compute capability 8.9")
@@ -113,9 +115,10 @@ def test_gluon_tma_and_cp_async_copies_give_the_same_bits(cache_dtype):
     roomy = words(roomy_rows(k))
     assert gluon._tma_descriptors(roomy, words(roomy_rows(v)), 16)[0].base is roomy
     assert gluon._tma_descriptors(words(every_other_block(k)), words(every_other_block(v)), 16)[0].base.numel() == 16 * 32
-    for num_splits in (1, 3):
+    assert gluon._tma_descriptors(engine_like, words(v), 32)[0].base is engine_like   # two blocks a tile
+    for num_splits, variant in itertools.product((1, 3), ("gluon-n16-w1-s2", "gluon-n32-w1-s2")):
         run = lambda kc, vc: decode_attention(q, kc, vc, table, lens, 0.1, num_splits, ks, vs,
-                                              q8_variant="gluon-n16-w1-s2")
+                                              q8_variant=variant)
         tma = run(k, v)
         assert torch.equal(run(roomy_rows(k), roomy_rows(v)), tma)
         assert torch.equal(run(every_other_block(k), every_other_block(v)), tma)

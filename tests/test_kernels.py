@@ -313,8 +313,9 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 32768) > 8          # 8 programs would leave most SMs idle
     assert choose_num_splits(4, 8, 32768) < choose_num_splits(1, 8, 32768)
     assert choose_num_splits(0, 8, 4096) == 1
-    assert choose_num_splits(64, 8, 4096, programs_per_sm=16) == 4     # the 8-bit kernel splits more
-    assert choose_num_splits(64, 8, 512, programs_per_sm=16, min_split_tokens=256) == 2  # but keeps long ranges
+    assert choose_num_splits(64, 8, 4096, programs_per_sm=8, min_split_tokens=512) == 2  # the 8-bit kernel
+    assert choose_num_splits(64, 8, 512, programs_per_sm=8, min_split_tokens=512) == 1   # splits more, in
+    assert choose_num_splits(8, 8, 2048, programs_per_sm=8, min_split_tokens=512) == 4   # long ranges
 
 
 # ----------------------------------------------------------------------------- quantized KV cache

@@ -162,7 +162,7 @@ class ModelRunner:
 
         quantized = self.config.kv_cache_dtype != "auto"
         splits = choose_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms,
-                                   programs_per_sm=16 if quantized else 4, min_split_tokens=256 if quantized else 128)
+                                   programs_per_sm=8 if quantized else 4, min_split_tokens=512 if quantized else 128)
         return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):

@@ -10,12 +10,15 @@ and read back for every byte fetched. That traffic, not DRAM, set the 8-bit kern
 kernel say which thread holds which element: each thread reads back from a shared-memory
 stage exactly the bytes its MMA fragments need and converts them in place.
 
-A stage is filled by the Hopper's tensor memory accelerator (TMA): one copy of the tile's
-16 K rows and one of its V rows (128 bytes each, 128-byte swizzle), an mbarrier counting
-their bytes, from a descriptor that sees the cache as one row of all kv heads per token
-slot. Where the cache is not laid out that way (blocks or kv heads not back to back, tiles
-larger than a block), or the GPU has no TMA (compute capability 8.9), each thread copies its
-own 16-byte pieces with cp.async instead; both give the same bits. The TMA made the kernel 1-3% faster on the H200 (BENCHMARKS.md).
+A stage is filled by the Hopper's tensor memory accelerator (TMA): per cache block the tile
+spans (two, for the default 32-token tiles over 16-token blocks), one copy of its K rows and
+one of its V rows (128 bytes each, 128-byte swizzle), an mbarrier counting their bytes, from
+a descriptor that sees the cache as one row of all kv heads per token slot. Where the cache
+is not laid out that way (blocks or kv heads not back to back, tiles neither inside one block
+nor a whole number of blocks), or the GPU has no TMA (compute capability 8.9), each thread
+copies its own 16-byte pieces with cp.async instead; both give the same bits. The TMA made the
+kernel 1-3% faster on the H200, and 32-token tiles, which only the TMA copies cheaply, 7% more
+(BENCHMARKS.md).
 
 One warp per (kv head, sequence, split), the kv heads of a sequence side by side in the
 grid (their rows share DRAM pages and their scales share sectors). The products are
@@ -232,15 +235,28 @@ if gluon is not None:
     @gluon.jit
     def _tma_tile(k_desc, v_desc, bar, k_stage, v_stage, table_row_ptr, kv_head, start_n, end,
                   BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The same with the Hopper's tensor memory accelerator: one copy each of the tile's K
-        and V rows (one cache block holds the tile) into one stage, bar counting their bytes;
-        nothing when the tile starts past end. Rows past end arrive too (not zeros)."""
-        live = start_n < end
-        block = gl.load(table_row_ptr + start_n // BLOCK_SIZE, mask=live, other=0)
-        row = block * BLOCK_SIZE + start_n % BLOCK_SIZE
-        mbarrier.expect(bar, 2 * BLOCK_N * _WORDS * 4, pred=live)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_head * _WORDS], bar, k_stage, pred=live)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_head * _WORDS], bar, v_stage, pred=live)
+        """The same with the Hopper's tensor memory accelerator: one copy each of the K and V
+        rows of every cache block the tile spans (one, when the tile fits in a block) into one
+        stage, bar counting their bytes; nothing when the tile starts past end. Rows past end
+        arrive too (not zeros): a block's other slots, or block 0's for a block past end."""
+        if BLOCK_N <= BLOCK_SIZE:
+            live = start_n < end
+            block = gl.load(table_row_ptr + start_n // BLOCK_SIZE, mask=live, other=0)
+            row = block * BLOCK_SIZE + start_n % BLOCK_SIZE
+            mbarrier.expect(bar, 2 * BLOCK_N * _WORDS * 4, pred=live)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_head * _WORDS], bar, k_stage, pred=live)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_head * _WORDS], bar, v_stage, pred=live)
+        else:  # whole blocks (tiles start at multiples of BLOCK_N, a multiple of BLOCK_SIZE)
+            live = start_n < end   # a block past end copies block 0's rows: masked like rows past end
+            mbarrier.expect(bar, 2 * BLOCK_N * _WORDS * 4, pred=live)
+            for j in gl.static_range(BLOCK_N // BLOCK_SIZE):
+                block = gl.load(table_row_ptr + start_n // BLOCK_SIZE + j, mask=start_n + j * BLOCK_SIZE < end,
+                                other=0)
+                row = block * BLOCK_SIZE
+                tma.async_copy_global_to_shared(k_desc, [row, kv_head * _WORDS], bar,
+                                                k_stage.slice(j * BLOCK_SIZE, BLOCK_SIZE), pred=live)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_head * _WORDS], bar,
+                                                v_stage.slice(j * BLOCK_SIZE, BLOCK_SIZE), pred=live)
 
     @gluon.jit
     def _load_scales(ks_ptr, vs_ptr, table_row_ptr, kv_off, start_n, end, stride_sb, stride_ss,
@@ -405,8 +421,8 @@ def _tma_descriptors(kw: torch.Tensor, vw: torch.Tensor, block_n: int):
     are placeholders (base not kw)."""
     num_blocks, block_size, num_kv_heads, _ = kw.shape
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    box = [block_n, WORDS]
-    if block_n <= block_size and _has_tma(kw.device.index) and all(
+    box = [min(block_n, block_size), WORDS]
+    if (block_n <= block_size or block_n % block_size == 0) and _has_tma(kw.device.index) and all(
             c.stride(0) == block_size * c.stride(1) and c.stride(2) == WORDS and c.stride(1) % 4 == 0
             and c.data_ptr() % 16 == 0 for c in (kw, vw)):
         shape = [num_blocks * block_size, num_kv_heads * WORDS]

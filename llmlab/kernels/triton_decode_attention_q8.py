@@ -73,16 +73,17 @@ _VARIANTS = [
     # one warp per program; num_stages is the number of tiles staged in shared memory
     Q8Config("gluon", 16, 1, 2), Q8Config("gluon", 16, 1, 3), Q8Config("gluon", 16, 1, 4),
     Q8Config("gluon", 16, 1, 2, 112), Q8Config("gluon", 32, 1, 2, 144), Q8Config("gluon", 32, 1, 3),
-    Q8Config("gluon", 64, 1, 3),
+    Q8Config("gluon", 64, 1, 3), Q8Config("gluon", 32, 1, 2),
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
-# Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads,
-# 4 splits): the Gluon kernel at 16-token tiles and 2 stages, 0.146-0.152 ms for int8 and
-# 0.145-0.150 for fp8 against bf16's 0.246-0.251 (1.64-1.72x); this file's best, "prmt"
-# at 128-key tiles, 4 warps, 2 stages, took 0.231-0.249. Where Gluon does not run (the
+# Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads):
+# the Gluon kernel at 32-token tiles (two blocks, a TMA copy each) and 2 stages, 2 splits,
+# 0.135 ms for int8 against 0.145 for 16-token tiles at their best (4 splits) and bf16's
+# 0.246 (BENCHMARKS.md, eighth session); this file's best, "prmt" at 128-key tiles,
+# 4 warps, 2 stages, took 0.231-0.249. Where Gluon does not run (the
 # interpreter, head sizes other than 128, GQA groups over 8) the default runs "prmt"
 # ("packed" in the interpreter).
-DEFAULT_Q8_CONFIG = "gluon-n16-w1-s2"
+DEFAULT_Q8_CONFIG = "gluon-n32-w1-s2"
 GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, other head sizes)
 
 
