@@ -180,3 +180,27 @@ def test_update_hashes_blocks_as_they_fill():
         scheduler.update(plan, [1] * len(plan.sampling_items))
         assert request.num_cached_blocks == full_blocks
         assert sorted(scheduler.blocks.cached_blocks.values()) == request.block_table[:full_blocks]
+
+
+# ---- a scheduler that plans nothing -----------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_scheduler_that_plans_nothing_is_an_error_not_a_hang(async_scheduling):
+    """Requests are waiting, nothing is in flight and the plan is empty: no later step can do
+    anything else, so instead of spinning the engine says so (the server fails those requests
+    and keeps serving; LLM.generate raises). Once the scheduler plans again, the engine runs."""
+    from llmlab import LLMEngine
+
+    engine = LLMEngine(cpu_config(async_scheduling=async_scheduling), model=MODEL)
+    engine.add_request(prompt(6, 1), SamplingParams(max_tokens=3, ignore_eos=True))
+    real = engine.scheduler.schedule
+    engine.scheduler.schedule = Plan
+    assert engine.step() == []                       # one empty step may be a pause
+    with pytest.raises(RuntimeError, match="1 waiting, 0 running, 0 swapped"):
+        engine.step()
+    engine.scheduler.schedule = real
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
+    assert engine.kv_stats()["free_device_blocks"] == 64

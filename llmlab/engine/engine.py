@@ -65,6 +65,7 @@ class LLMEngine:
         self.num_dropped_tokens = 0    # sampled for requests that had finished meanwhile
         self.requests: dict[str, Request] = {}
         self.step_index = 0
+        self._idle_steps = 0    # steps in a row that planned nothing while requests were left
         self._freed_blocks: list[int] = []     # since the last StepRecord
         self._ids = itertools.count()
 
@@ -180,7 +181,29 @@ class LLMEngine:
         elif not plan.is_empty:
             self._in_flight = launched
         self.step_index += 1
+        self._check_progress(plan, previous, outputs)
         return outputs
+
+    def _check_progress(self, plan: Plan, previous: InFlightStep | None, outputs: list) -> None:
+        """A step that planned nothing (no tokens, no swaps, no preemptions), with nothing in
+        flight and nothing finished, leaves the scheduler as it found it: every later step
+        would do the same and the engine would spin. Two in a row are a scheduler (or
+        policy) bug; say so rather than hang. The requests stay queued: the caller may
+        abort them (the server and LLM.generate do)."""
+        moved = (plan.items or plan.swap_out_copies or plan.swap_in_copies or plan.preempted or plan.swapped_out
+                 or plan.swapped_in or previous is not None or outputs or self._in_flight is not None)
+        if moved or not self.scheduler.has_unfinished():
+            self._idle_steps = 0
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= 2:
+            self._idle_steps = 0
+            s = self.scheduler
+            raise RuntimeError(
+                f"the scheduler planned nothing for {len(s.waiting)} waiting, {len(s.running)} running, "
+                f"{len(s.swapped)} swapped requests, twice in a row, with {self.block_manager.num_free_blocks} of "
+                f"{self.block_manager.num_device_blocks} KV blocks free: no step can make progress "
+                f"(a scheduler or policy bug); abort the requests or fix the scheduler")
 
     def _launch(self, plan: Plan, timings: dict, clock: float, overlapped: bool) -> InFlightStep:
         """Prepare, forward and sample the plan; the tokens stay on the device. Requests whose
