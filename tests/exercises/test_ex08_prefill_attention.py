@@ -4,14 +4,45 @@
 Each case isolates one mistake, and its failure says which sequences and heads differ and
 what that points to. Unowned cache slots are NaN (grading.paged_kv), so a kernel that reads
 past a sequence's end returns NaN."""
+import contextlib
+
 import pytest
 import torch
 
-from diagnose import check_attention
+from diagnose import check_attention, fail
 from grading import DEVICE, SCORES, check_end_to_end, paged_kv, randn_view, shape_scores
 from llmlab.kernels import reference
 
 EXERCISE = "ex08_prefill_attention"
+
+
+@contextlib.contextmanager
+def guarded_out(q, case, guard_rows=64):
+    """While the launcher runs, its `torch.empty_like(q)` (the output) is a view of a longer
+    buffer whose rows past the end are NaN, and must still be NaN afterwards: a tile's
+    padding rows stored past the last sequence's queries are then a clear failure, not a
+    write into whatever memory follows `out` (which crashes the interpreter, or not)."""
+    buffers, empty_like = [], torch.empty_like
+
+    def guarded(tensor, *args, **kwargs):
+        if tensor.shape != q.shape:   # the output is shaped like q (the launcher may pass a copy)
+            return empty_like(tensor, *args, **kwargs)
+        buffer = torch.full((tensor.shape[0] + guard_rows,) + tuple(tensor.shape[1:]), float("nan"),
+                            dtype=tensor.dtype, device=tensor.device)
+        buffers.append(buffer)
+        return buffer[:tensor.shape[0]]
+
+    torch.empty_like = guarded
+    try:
+        yield
+    finally:
+        torch.empty_like = empty_like
+    for buffer in buffers:
+        stored = (~torch.isnan(buffer[q.shape[0]:])).flatten(1).any(dim=1).nonzero().flatten()
+        if stored.numel():
+            fail(case, [f"the kernel stored row {q.shape[0] + stored[0].item()}, past the end of out "
+                        f"({q.shape[0]} rows): a tile's rows past its sequence's queries must not be stored "
+                        "(mask the store with the rows that exist)"])
 
 
 def check_prefill_attention(ex, case, num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_lens,
@@ -24,10 +55,11 @@ def check_prefill_attention(ex, case, num_heads, num_kv_heads, head_dim, block_s
     hint = " ".join(filter(None, [hint, SCORES[scores]]))
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5 if scale is None else scale
-    actual = ex.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
-    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
     case = (f"{case!r} ({num_heads} query / {num_kv_heads} kv heads, head_dim {head_dim}, block_size "
             f"{block_size}, seq_lens {seq_lens}, new query tokens {query_lens}, scale {scale:.4g}, {scores} scores)")
+    with guarded_out(q, case):
+        actual = ex.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
     check_attention(actual, expected, case=case, tol=tol, seq_lens=seq_lens, block_size=block_size,
                     num_kv_heads=num_kv_heads, query_lens=query_lens, hint=hint)
 
@@ -70,6 +102,14 @@ def test_inputs_the_random_cases_miss(ex, scale, scores):
     far from 0 in both directions, with a chunk after cached tokens."""
     check_prefill_attention(ex, "unusual scores", 4, 2, 64, 16, [16, 37], [16, 20], seed=1, scale=scale,
                             scores=scores)
+
+
+def test_stores_no_row_past_its_sequence(ex):
+    """Both sequences' last tiles end in padding rows: rows of the next sequence, or past the
+    end of `out` (which check_prefill_attention follows with NaN rows that must stay NaN)."""
+    check_prefill_attention(ex, "padding rows", 4, 2, 64, 16, [21, 37], [5, 20], seed=3,
+                            hint="a tile's rows past its sequence's queries overwrite the next sequence's "
+                                 "rows unless their store is masked")
 
 
 def test_empty_batch(ex):
