@@ -1,5 +1,6 @@
 """Who may use the server (Host header, API key), what start-up refuses, where prompts are
-tokenized, and the preemption counter, on a tiny random-weight engine through real HTTP."""
+tokenized, the preemption counter, and a scheduler that stalls, on a tiny random-weight engine
+through real HTTP."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ import openai
 import pytest
 
 import llmlab
+from llmlab.scheduler import Plan
 from llmlab.server.app import create_app
 from llmlab.server.serve import check_max_model_len
 from server_harness import metrics, running, tiny_engine
@@ -83,3 +85,28 @@ def test_preemptions_are_counted():
     preempted = sum(len(step.preempted) + len(step.swapped_out) for step in recorder.trace.steps)
     assert preempted > 0
     assert counted == preempted
+
+
+def test_a_scheduler_that_plans_nothing_fails_its_requests_and_the_server_goes_on():
+    """A scheduler bug that plans nothing for a waiting request used to spin the engine
+    thread with the client waiting forever. The engine raises on the second empty step;
+    the server answers that request with a 500, gives back its blocks and serves the next."""
+    engine = tiny_engine(num_gpu_blocks=64)
+    real = engine.scheduler.schedule
+    stalled = {"on": True}
+
+    def schedule():
+        if stalled["on"]:
+            return Plan()
+        return real()
+
+    engine.scheduler.schedule = schedule
+    with running(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="the engine failed"):
+            client.completions.create(model="tiny-random", prompt="hello", max_tokens=3)
+        stalled["on"] = False
+        response = client.completions.create(model="tiny-random", prompt="hello", max_tokens=3)
+        assert response.usage.completion_tokens == 3
+        assert engine.kv_stats()["free_device_blocks"] == 64
+        assert not engine.has_unfinished_requests()
