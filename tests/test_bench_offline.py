@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+import torch
+
 from llmlab.bench import offline
 
 
@@ -51,3 +54,17 @@ def test_the_random_model_takes_the_command_lines_engine_flags():
     assert (config.kv_cache_dtype, config.gpu_memory_utilization) == ("int8", 0.25)
     args = parse("--model", "random-llama3-8b", "--enforce-eager")
     assert random_engine_config(args, engine_args=engine_kwargs(args)).enforce_eager is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_random_8b_model_on_a_cpu_is_a_clear_error_before_any_weight_is_made(monkeypatch):
+    """32 GB of float32 weights would be built first, and the process killed for memory."""
+    from llmlab.model.llama import LlamaModel
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights built before the device was checked")
+
+    monkeypatch.setattr(LlamaModel, "random", never)
+    for argv in (["--model", "random-llama3-8b"], ["--model", "random-llama3-8b", "--device", "cuda"]):
+        with pytest.raises(ValueError, match="CUDA"):
+            offline.build_llm(parse(*argv))

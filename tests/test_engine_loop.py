@@ -204,3 +204,15 @@ def test_a_scheduler_that_plans_nothing_is_an_error_not_a_hang(async_scheduling)
         outputs += engine.step()
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
     assert engine.kv_stats()["free_device_blocks"] == 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_a_cuda_device_on_a_machine_without_one_is_a_clear_error(device):
+    """An EngineConfig only describes an engine (the simulator describes GPUs on a laptop), so
+    it takes device="cuda" anywhere; building the engine is what needs the device."""
+    from llmlab import LLMEngine
+
+    assert EngineConfig(device=device).resolved_async_scheduling() is True
+    with pytest.raises(ValueError, match=f"device={device!r}.*no CUDA"):
+        LLMEngine(EngineConfig(device=device, dtype="float32", num_gpu_blocks=8), model=MODEL)

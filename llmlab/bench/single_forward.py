@@ -51,12 +51,18 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
     from llmlab import LLMEngine
     from llmlab.config import ModelConfig
     from llmlab.engine.llm import LLM
+    from llmlab.engine.model_runner import check_device
     from llmlab.model.llama import LlamaModel
 
     hf = dict(LLAMA3_8B)
     if getattr(args, "layers", None):
         hf["num_hidden_layers"] = args.layers
     config = random_engine_config(args, num_gpu_blocks, max_num_seqs, max_num_batched_tokens, engine_args)
+    device = config.resolved_device()
+    check_device(config.device, device)
+    if device.type != "cuda":   # 8B parameters: 32 GB in float32, built before any other check
+        raise ValueError("--model random-llama3-8b (random weights in the Llama-3-8B shape) needs a CUDA "
+                         f"device, not {config.device!r}; on a CPU, leave --model out (the embedded model)")
     model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
     return LLM.from_engine(LLMEngine(config, model=model)), hf
 

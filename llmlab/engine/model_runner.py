@@ -50,11 +50,26 @@ def folder_tokenizer(folder) -> Tokenizer | None:
     return None
 
 
+def check_device(name: str, device: torch.device) -> None:
+    """A CUDA device the machine has, before anything is loaded onto it (an EngineConfig
+    itself may name one anywhere: it only describes an engine)."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
+        raise ValueError(f"EngineConfig.device={name!r}, but there is no CUDA device here ({why}); "
+                         "use device='cpu' or 'auto'")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"EngineConfig.device={name!r}, but this machine has {torch.cuda.device_count()} "
+                         f"CUDA device(s): cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None):
         """Loads `config.model`, or runs the given model (and tokenizer), e.g. random weights."""
         self.config = config
         self.device = config.resolved_device()
+        check_device(config.device, self.device)
         self.dtype = config.resolved_dtype()
         # the one home of the kernel backend: every forward's batch carries it, the engine's
         # sampler is given it; the model itself (maybe the caller's) is never changed
