@@ -33,3 +33,20 @@ def test_a_prefix_caching_engine_finds_nothing_of_an_earlier_rate():
     hit_rate(serving.for_rate(prompts, 0))
     assert hit_rate(serving.for_rate(prompts, 1)) == 0.0
     assert hit_rate(serving.for_rate(prompts, 0)) > 0.5              # without a word of its own: cached
+
+
+def test_head_of_line_ends_when_the_long_prompt_fits_in_one_step(tmp_path):
+    """A long prompt prefilled in one step finishes (and frees its blocks) before any poll
+    of /metrics sees them: the benchmark used to wait for them forever. It now says the
+    long prompt was done first."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "hol.json"
+    subprocess.run([sys.executable, "-m", "llmlab.cli", "bench", "head-of-line", "--long-len", "64",
+                    "--short-output-len", "2", "--max-num-batched-tokens", "512", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["long_done_before_short_sent"] is True
+    assert result["long_ttft_s"] > 0 and result["short_ttft_behind_long_s"] > 0

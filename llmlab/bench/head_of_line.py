@@ -65,19 +65,25 @@ async def measure(url: str, api_key: str | None, args, vocab_size: int) -> dict:
         alone = await first_token_seconds(client, prompt(args.short_len), args.short_output_len)
         long_task = asyncio.ensure_future(first_token_seconds(client, prompt(args.long_len), 1))
         long_start = time.perf_counter()
-        while True:    # the long prompt's progress, from the KV blocks it holds
+        # the long prompt's progress, from the KV blocks it holds; a prompt prefilled in one
+        # step may finish (and free them) before any poll sees them
+        while not long_task.done():
             stats = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                      for line in (await client.get("/metrics")).text.splitlines() if line and line[0] != "#"}
             used = stats.get('llmlab_kv_blocks_used{location="device"}', 0)
             if used * (args.block_size or 16) >= args.send_at * args.long_len:
                 break
             await asyncio.sleep(0.02)
+        long_done_first = long_task.done()
         sent_after = time.perf_counter() - long_start
         behind = await first_token_seconds(client, prompt(args.short_len), args.short_output_len)
         long_ttft = await long_task
     return {"long_len": args.long_len, "short_len": args.short_len, "short_ttft_alone_s": alone,
             "short_ttft_behind_long_s": behind, "short_sent_at": args.send_at, "short_sent_after_s": sent_after,
-            "long_ttft_s": long_ttft}
+            "long_ttft_s": long_ttft,
+            # True: the long prompt was done before the short one went out (it fit in one step,
+            # or ran faster than the polls), so "behind_long" measured nothing behind it
+            "long_done_before_short_sent": long_done_first}
 
 
 async def tokenization_stall(url: str, api_key: str | None, args) -> dict:
