@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -175,10 +176,17 @@ def main(argv=None) -> None:
     _add_module_parsers(sub, {"serve": "llmlab.server.serve"}, "")
 
     args = parser.parse_args(argv)
+    out = getattr(args, "out", None) if args.command == "bench" else None
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):   # before the run, not after it
+        parser.exit(2, f"llmlab: error: --out {out}: the folder {os.path.dirname(os.path.abspath(out))} does not exist\n")
     try:
         args.func(args)
-    except ValueError as err:
+    except (ValueError, OSError) as err:   # bad values, missing or unwritable files
         parser.exit(2, f"llmlab: error: {err}\n")
+    except Exception as err:
+        if type(err).__module__.split(".")[0] != "httpx":   # bench serving, head-of-line --url
+            raise
+        parser.exit(2, f"llmlab: error: {type(err).__name__}: {err} (is a server running at that address?)\n")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,30 @@ GPU_TOKEN_BUDGET = 2048
 CPU_TOKEN_BUDGET = 512
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts that cannot be zero (requests, steps, repeats): argparse
+    then names the flag in its error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def int_span(text, flag: str) -> tuple[int, int]:
+    """LOW,HIGH from the command line (a range of lengths), or a ValueError naming the flag."""
+    parts = str(text).split(",")
+    try:
+        low, high = (int(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"{flag} must be LOW,HIGH (two integers), got {text!r}") from None
+    if not 0 < low <= high:
+        raise ValueError(f"{flag} must be LOW,HIGH with 0 < LOW <= HIGH, got {text!r}")
+    return low, high
+
+
 def default_token_budget(device: torch.device) -> int:
     return GPU_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET
 

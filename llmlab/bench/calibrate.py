@@ -78,8 +78,9 @@ def _options(args) -> dict:
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
     for key in [k for k in options if k.endswith("_len")]:
-        low, high = (int(x) for x in str(options[key]).split(","))
-        options[key] = (low, high)
+        from llmlab.config import int_span
+
+        options[key] = int_span(options[key], "--" + key.replace("_", "-"))
     return options
 
 

@@ -7,9 +7,11 @@ import time
 
 
 def add_arguments(parser) -> None:
+    from llmlab.config import positive_int
+
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--num-seqs", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--out", default=None)
 
 

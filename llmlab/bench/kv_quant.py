@@ -263,9 +263,9 @@ def greedy_agreement(llm, prompts, kv_cache_dtype="int8", **engine_args) -> dict
 # ----------------------------------------------------------------------------- CLI
 
 def add_arguments(parser) -> None:
-    from llmlab.config import add_engine_arguments
+    from llmlab.config import add_engine_arguments, positive_int
 
-    parser.add_argument("--num-tokens", type=int, default=None, help="evaluate on the text's first N tokens")
+    parser.add_argument("--num-tokens", type=positive_int, default=None, help="evaluate on the text's first N tokens")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     # the model, device, dtype, backend, ...; every cache dtype is measured, so that flag is not one
     add_engine_arguments(parser, defaults={"num_gpu_blocks": 512}, exclude=("kv_cache_dtype",))

@@ -15,11 +15,11 @@ import time
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import add_engine_arguments
+    from llmlab.config import add_engine_arguments, positive_int
 
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2); "
                         "'random-llama3-8b' = random bf16 weights in the Llama-3-8B shape")
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--num-requests", type=positive_int, default=256)
     parser.add_argument("--min-len", type=int, default=100, help="input and output lengths are uniform in")
     parser.add_argument("--max-len", type=int, default=1024, help="[min-len, max-len] unless fixed below")
     parser.add_argument("--input-len", type=int, default=None, help="fixed input length")
@@ -69,7 +69,10 @@ def sampling_settings(args) -> list[dict]:
                 key, _, value = item.partition("=")
                 if key not in SAMPLING_KEYS:
                     raise ValueError(f"--compare: unknown sampling key {key!r}; use {', '.join(SAMPLING_KEYS)}")
-                setting[key] = int(value) if key in ("top_k", "seed") else float(value)
+                try:
+                    setting[key] = int(value) if key in ("top_k", "seed") else float(value)
+                except ValueError:
+                    raise ValueError(f"--compare {spec!r}: {key} needs a number, as {key}=0.7") from None
         settings.append(setting)
     return settings
 
@@ -85,6 +88,8 @@ def workload(args, vocab_size: int):
     """(prompt token ids, output length) per request; ids avoid the first 16 (special) tokens.
     With --prefix-len, request i's prompt is shared prefix i % --num-prefixes, then its own
     tokens."""
+    if not (args.input_len and args.output_len) and not 0 < args.min_len <= args.max_len:
+        raise ValueError(f"--min-len {args.min_len} and --max-len {args.max_len}: need 0 < min <= max")
     rng = random.Random(args.workload_seed)
     prefixes = [[rng.randint(16, vocab_size - 1) for _ in range(args.prefix_len)]
                 for _ in range(args.num_prefixes if args.prefix_len else 0)]

@@ -18,13 +18,15 @@ SETTINGS = {
 
 
 def add_arguments(parser) -> None:
+    from llmlab.config import positive_int
+
     parser.add_argument("--batch-sizes", default="1,64,128,256")
     parser.add_argument("--vocab", type=int, default=128256, help="default: Llama-3's vocabulary")
     parser.add_argument("--logit-std", type=float, default=1.3,
                         help="spread of the random logits (random Llama-3-8B weights give about 1.3)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", default=None, help="kernel backend (default: the device's)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--out", default=None)
 
 

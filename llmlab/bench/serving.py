@@ -266,19 +266,24 @@ def format_table(report: dict) -> str:
 
 # ---- `llmlab bench serving` --------------------------------------------------------------
 def parse_rates(values: list[str]) -> list[float]:
-    rates = [float(x) for value in values for x in value.split(",") if x.strip()]
+    try:
+        rates = [float(x) for value in values for x in value.split(",") if x.strip()]
+    except ValueError:
+        rates = []
     if not rates or any(not rate > 0 for rate in rates):
         raise ValueError(f"--rate must be positive numbers or inf, got {values}")
     return rates
 
 
 def add_arguments(parser) -> None:
+    from llmlab.config import positive_int
+
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
     parser.add_argument("--rate", action="append", default=None,
                         help="requests/s (Poisson); repeat or comma-separate for a sweep; inf = all at once")
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", default=None, help='JSONL: {"prompt": str, "output_len": int (optional)}')
     parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_INPUT_LEN)
     parser.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT_LEN)

@@ -29,16 +29,13 @@ def add_arguments(parser) -> None:
 
 def main(args) -> dict:
     from llmlab import EngineConfig
+    from llmlab.config import int_span
     from llmlab.experiments import CostModel, Workload, simulate
 
-    def span(text):
-        low, high = (int(x) for x in text.split(","))
-        return low, high
-
+    spans = int_span(args.prompt_len, "--prompt-len"), int_span(args.output_len, "--output-len")
     cost_model = CostModel.load(args.cost_model)
     start = time.perf_counter()
-    workload = Workload.gamma(args.num_requests, args.rate, args.cv, span(args.prompt_len), span(args.output_len),
-                              seed=args.seed, vocab_size=128000)
+    workload = Workload.gamma(args.num_requests, args.rate, args.cv, *spans, seed=args.seed, vocab_size=128000)
     built = time.perf_counter() - start
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len)

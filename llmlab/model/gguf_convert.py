@@ -113,6 +113,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     from transformers import AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and not (out_dir / "config.json").exists() and (
+            not out_dir.is_dir() or any(out_dir.iterdir())):   # checked before the minutes of conversion
+        kind = "folder that holds no converted model" if out_dir.is_dir() else "file"
+        raise ValueError(f"{out_dir} is an existing {kind}: convert into a new or empty folder")
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as err:  # the gguf package raises assorted errors on bad files
