@@ -70,10 +70,15 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     from llmlab.kernels.triton_decode_attention_q8 import Q8_CONFIGS
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from llmlab.engine.model_runner import check_device
+
+    check_device(str(device), device)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter has no bf16
     if cache_dtypes is None:
         cache_dtypes = ["int8"] + (["fp8"] if not on_gpu or torch.cuda.get_device_capability() >= (8, 9) else [])
+    if any(name not in ("int8", "fp8") for name in cache_dtypes):   # before any row runs
+        raise ValueError(f"--cache-dtypes: int8 and/or fp8, got {','.join(cache_dtypes)}")
     names = list(configs or Q8_CONFIGS)
     unknown = [name for name in names if name not in Q8_CONFIGS]
     if unknown:

@@ -83,6 +83,9 @@ def main(args) -> list[dict]:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shapes = ({f"{s}": tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
               if args.shapes else LLAMA3_8B_SHAPES)
+    unknown = [name for name in (args.configs or "").split(",") if name and name not in GEMV_CONFIGS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {unknown}; known: {sorted(GEMV_CONFIGS)}")
     configs = [GEMV_CONFIGS[name] for name in args.configs.split(",")] if args.configs else list(GEMV_CONFIGS.values())
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator(device=device).manual_seed(0)
