@@ -133,6 +133,114 @@ def test_rope_store_kv_empty_batch(backend):
     assert q.shape == (0, 4, 64)
 
 
+# ---- rope_store_decode_attention: a decode step's rope, store and attention in one -----------
+
+def decode_step_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen, dev="cpu",
+                       padding=()):
+    """A decode step's inputs: q, k, v views of a NaN-padded qkv output (one row per
+    sequence), caches NaN except the first seq_len - 1 tokens of each sequence (in shuffled
+    blocks), the slot and position of each sequence's newest token (slot -1 for rows in
+    `padding`, as the CUDA graphs pad a batch), block tables and seq_lens."""
+    num_seqs = len(seq_lens)
+    q, k, v = qkv_views(num_seqs, num_heads, num_kv_heads, head_dim, dtype, gen, dev)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    width = max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(num_seqs, width, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, NAN, dtype=dtype) for _ in range(2)]
+    slots, positions = [], []
+    for i, n in enumerate(seq_lens):
+        tables[i, :blocks_per_seq[i]] = torch.tensor(order[:blocks_per_seq[i]], dtype=torch.int32)
+        order = order[blocks_per_seq[i]:]
+        slot_of = [int(tables[i, t // block_size]) * block_size + t % block_size for t in range(n)]
+        old = torch.tensor(slot_of[:-1], dtype=torch.int64)
+        reference.store_kv(torch.randn(n - 1, num_kv_heads, head_dim, generator=gen).to(dtype),
+                           torch.randn(n - 1, num_kv_heads, head_dim, generator=gen).to(dtype), *caches, old)
+        slots.append(-1 if i in padding else slot_of[-1])
+        positions.append(n - 1)
+    as_dev = lambda t: t.to(dev)   # noqa: E731
+    return (q, k, v, as_dev(torch.tensor(positions)), [as_dev(c) for c in caches], as_dev(torch.tensor(slots)),
+            as_dev(tables), as_dev(torch.tensor(seq_lens, dtype=torch.int32)))
+
+
+def check_fused_decode(backend, dtype, seq_lens, heads, block_size, num_splits, scaling, gen, dev="cpu",
+                       padding=()):
+    num_heads, num_kv_heads, head_dim = heads
+    q, k, v, positions, caches, slots, tables, lens = decode_step_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen, dev, padding)
+    expected_caches = [c.clone() for c in caches]
+    scale = head_dim ** -0.5
+    expected = reference.rope_store_decode_attention(q, k, v, positions, 500000.0, scaling, *expected_caches,
+                                                     slots, tables, lens, scale, num_splits)
+    got = kernels.rope_store_decode_attention(q, k, v, positions, 500000.0, scaling, *caches, slots, tables, lens,
+                                              scale, num_splits, backend=backend)
+    real = [i for i in range(len(seq_lens)) if i not in padding]   # a padding row's output is not used
+    torch.testing.assert_close(got[real], expected[real], **tolerance(dtype, attention=True))
+    assert not got[real].isnan().any()
+    # the new tokens' rows written, rotated keys within rope's tolerance, values exactly; nothing else
+    torch.testing.assert_close(caches[0], expected_caches[0], equal_nan=True, **tolerance(dtype, rope=True))
+    assert_same_with_nans(caches[1], expected_caches[1])
+
+
+@BACKEND_DTYPES
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads,block_size", [((8, 2, 64), 16), ((4, 4, 128), 32)], ids=["gqa4-d64", "mha-d128-b32"])
+def test_rope_store_decode_attention_is_rope_store_kv_then_decode_attention(backend, dtype, num_splits, heads,
+                                                                            block_size):
+    """Lengths 1, a block, a block + 1, 2 blocks + 8 (the newest token first in a block, last
+    in one, and in a tile's middle), a padding row; with splits, some empty, and the newest
+    token in the last split's range."""
+    gen = torch.Generator().manual_seed(33)
+    check_fused_decode(backend, dtype, [1, block_size, block_size + 1, 2 * block_size + 8, 5], heads, block_size,
+                       num_splits, None, gen, padding=(4,))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rope_store_decode_attention_llama3_scaling_long_positions(backend):
+    gen = torch.Generator().manual_seed(34)
+    check_fused_decode(backend, torch.float32, [70, 33, 2], (8, 2, 64), 16, 2, LLAMA3_SCALING, gen)
+
+
+def test_rope_store_decode_attention_quantized_cache_runs_the_pair():
+    """int8: the fused path is full precision only; the Triton entry point runs the pair,
+    which gives what the pair gives, bit for bit."""
+    gen = torch.Generator().manual_seed(35)
+    q, k, v, positions, caches, slots, tables, lens = decode_step_inputs([3, 20], 4, 2, 64, 16, torch.float16, gen)
+    shape = caches[0].shape
+    tensors = [torch.zeros(shape, dtype=torch.int8) for _ in range(2)] + [torch.ones(shape[:3]) for _ in range(2)]
+    pair = [t.clone() for t in tensors]
+    got = kernels.rope_store_decode_attention(q, k, v, positions, 10000.0, None, tensors[0], tensors[1], slots,
+                                              tables, lens, 0.125, 1, tensors[2], tensors[3], backend="triton")
+    rotated = kernels.rope_store_kv(q, k, v, positions, 10000.0, None, pair[0], pair[1], slots, pair[2], pair[3],
+                                    backend="triton")
+    expected = kernels.decode_attention(rotated, pair[0], pair[1], tables, lens, 0.125, 1, pair[2], pair[3],
+                                        backend="triton")
+    assert torch.equal(got, expected)
+    for a, b in zip(tensors, pair):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_rope_store_decode_attention_empty_batch(backend):
+    cache = torch.zeros(2, 16, 2, 64)
+    out = kernels.rope_store_decode_attention(
+        torch.zeros(0, 4, 64), torch.zeros(0, 2, 64), torch.zeros(0, 2, 64), torch.zeros(0, dtype=torch.int64),
+        10000.0, None, cache, cache.clone(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32), 0.125, backend=backend)
+    assert out.shape == (0, 4, 64)
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_rope_store_decode_attention_gpu_llama3_shape(num_splits):
+    """bf16, Llama-3-8B heads, the shipped tiles (64 tokens): lengths around tile and block edges."""
+    gen = torch.Generator().manual_seed(36)
+    check_fused_decode("triton", torch.bfloat16, [1, 63, 64, 65, 513, 1000, 17, 4097], (32, 8, 128), 16,
+                       num_splits, LLAMA3_SCALING, gen, dev="cuda", padding=(6,))
+
+
 # ---- the model and overrides -------------------------------------------------------------
 
 def spy(calls, name, kernel):
@@ -182,21 +290,29 @@ def test_greedy_tokens_with_the_triton_pair_and_fused():
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_a_decode_step_launches_one_kernel_fewer_per_layer(batch_size):
-    """Counted on the Triton backend (the GPU's launch sequence): the fused step is the
-    pair's minus one launch per layer, and no layer copies q, k or v out of the qkv output."""
+def test_a_decode_step_launches_two_kernels_fewer_per_layer(batch_size):
+    """Counted on the Triton backend (the GPU's launch sequence): a decode step without
+    flash-decoding splits runs rope,
+    store_kv and attention as one launch per layer -- one fewer than rope_store_kv followed by
+    decode_attention (what the model runs while decode_attention is overridden), two fewer than
+    the unfused rope + store_kv pair -- and no layer copies q, k or v out of the qkv output."""
     engine = random_engine("small", 3, [batch_size], 40, "triton")
-    step = decode_step(engine, batch_size, 40)
+    step = decode_step(engine, batch_size, 40, num_splits=1)   # split steps run rope_store_kv apart
     step()
     with count_launches() as fused:
         step()
+    with kernels.override(decode_attention=kernels.get_kernel("decode_attention", "triton")):
+        with count_launches() as apart:
+            step()
     with unfused("triton"):
         with count_launches() as pair:
             step()
-    fused_layer, pair_layer = per_layer(fused, 3), per_layer(pair, 3)
-    assert len(fused) == len(pair) - 3
-    assert fused_layer["per_layer_total"] == pair_layer["per_layer_total"] - 1
-    assert fused_layer["per_layer"].count("rope_store_kv") == 1 and "rope" not in fused_layer["per_layer"]
+    fused_layer, apart_layer, pair_layer = per_layer(fused, 3), per_layer(apart, 3), per_layer(pair, 3)
+    assert len(fused) == len(apart) - 3 == len(pair) - 6
+    assert fused_layer["per_layer_total"] == apart_layer["per_layer_total"] - 1 == pair_layer["per_layer_total"] - 2
+    assert fused_layer["per_layer"].count("decode_attention") == 1
+    assert not {"rope", "store_kv", "rope_store_kv"} & set(fused_layer["per_layer"])
+    assert apart_layer["per_layer"].count("rope_store_kv") == 1
     assert not {"clone", "copy_", "contiguous", "_to_copy"} & set(fused_layer["per_layer"])
 
 

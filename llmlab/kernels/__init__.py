@@ -18,7 +18,9 @@ Triton kernels run through Triton's interpreter, which llmlab switches on by its
 
 `rope_store_kv` is rope and store_kv fused into one kernel, one launch fewer per layer
 (the model calls it); while `rope` or `store_kv` is overridden it runs that pair instead,
-so a kernel plugged in for either still runs.
+so a kernel plugged in for either still runs. A decode-only step goes one further:
+`rope_store_decode_attention` is rope_store_kv and decode_attention in one kernel, and runs
+as the two (each through its override or backend) while any of its parts is overridden.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch
 from . import reference, torch_backend
 
 KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "rope_store_kv", "prefill_attention",
-                "decode_attention", "sample")
+                "decode_attention", "rope_store_decode_attention", "sample")
 BACKENDS = ("reference", "torch", "triton")
 
 _default_backend: str | None = None
@@ -187,6 +189,21 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     return _call("decode_attention", backend, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
                  *_scales(k_scales, v_scales))
 
+
+_DECODE_PARTS = ("rope", "store_kv", "rope_store_kv", "decode_attention")
+
+
+def rope_store_decode_attention(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
+                                block_tables, seq_lens, scale, num_splits=1, k_scales=None, v_scales=None,
+                                *, backend=None):
+    if "rope_store_decode_attention" not in _overrides and any(name in _overrides for name in _DECODE_PARTS):
+        # a student's decode_attention (or rope, store_kv) must run: the parts, one by one
+        q = rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping, k_scales, v_scales,
+                          backend=backend)
+        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
+                                backend=backend)
+    return _call("rope_store_decode_attention", backend, q, k, v, positions, theta, scaling, k_cache, v_cache,
+                 slot_mapping, block_tables, seq_lens, scale, num_splits, *_scales(k_scales, v_scales))
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, backend=None):
     return _call("sample", backend, logits, temperature, top_k, top_p, min_p, seeds, positions)

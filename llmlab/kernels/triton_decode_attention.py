@@ -68,19 +68,71 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_sca
     return m_new, l_i, acc
 
 
+@triton.jit
+def _rope_angles(positions_ptr, inv_freq_ptr, seq, dtype, HEAD_DIM: tl.constexpr):
+    """cos and [-sin | sin] over the head's channels at the token's position, rounded to the
+    input dtype as the reference (and HF) round them: rope's x * cos + partner * signed_sin,
+    with partner[d] = x[(d + D/2) % D]."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    angle = tl.load(positions_ptr + seq).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
+    cos = tl.cos(angle).to(dtype).to(tl.float32)
+    sin = tl.sin(angle).to(dtype).to(tl.float32)
+    return cos, tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
+
+
+@triton.jit
+def _load_new_token(k_new_ptr, v_new_ptr, slot_mapping_ptr, seq, kv_head, stride_kns, stride_knh, stride_vns,
+                    stride_vnh, HEAD_DIM: tl.constexpr):
+    """The newest token's key (and its rope partner), value and slot: loaded before the loop,
+    so that their latency hides behind the tiles' instead of lengthening the program's end."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_row = k_new_ptr + seq.to(tl.int64) * stride_kns + kv_head * stride_knh
+    k = tl.load(k_row + offs_d)
+    partner = tl.load(k_row + (offs_d + HEAD_DIM // 2) % HEAD_DIM)
+    v = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vns + kv_head * stride_vnh + offs_d)
+    return k, partner, v, tl.load(slot_mapping_ptr + seq).to(tl.int64)
+
+
+@triton.jit
+def _new_token(q, m_i, l_i, acc, k, partner, v, slot, k_cache_ptr, v_cache_ptr, kv_head, cos, signed_sin, qk_scale,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The sequence's newest token: rotate its key, store key and value into its cache slot
+    (none for slot -1, a padding row), and fold it into the running softmax from registers.
+    Only this program writes that kv head's row, and no program of this launch reads it."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = (k.to(tl.float32) * cos + partner.to(tl.float32) * signed_sin).to(k.dtype)
+    if slot >= 0:
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh + offs_d,
+                 k.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh + offs_d,
+                 v.to(v_cache_ptr.dtype.element_ty))
+    # the cache's rounding of k and v, as the tiles would have read them
+    k = k.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+    v = v.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+    score = tl.sum(q.to(tl.float32) * k[None, :], axis=1)   # [BLOCK_G]
+    m_new = tl.maximum(m_i, score * qk_scale)
+    p = tl.exp2(score * qk_scale - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v[None, :]
+
+
 # Ints that change from step to step are not specialized on (Triton would compile a variant
 # each for == 1, divisible by 16 and other values): the block-table width and the splits.
 @triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, k_scales_ptr, v_scales_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, inv_freq_ptr, slot_mapping_ptr,
     qk_scale,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
-    stride_table,
+    stride_table, stride_kns, stride_knh, stride_vns, stride_vnh,
     num_heads, num_queries_per_kv, num_splits,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, ROPE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous_grid(USE_PDL)
     seq = tl.program_id(0)
@@ -92,8 +144,12 @@ def _decode_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     head_ok = offs_g < num_queries_per_kv  # BLOCK_G pads the group to a power of two >= 16
     heads = kv_head * num_queries_per_kv + offs_g
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None], other=0.0)  # padding rows are zero queries, never stored
+    q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=head_ok[:, None], other=0.0)  # padding rows: zero queries
+    if ROPE:  # q is not rotated yet: rope here, in fp32, rounded as rope's output is
+        cos, signed_sin = _rope_angles(positions_ptr, inv_freq_ptr, seq, q_ptr.dtype.element_ty, HEAD_DIM)
+        partner = tl.load(q_rows + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=head_ok[:, None], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + partner.to(tl.float32) * signed_sin[None, :]).to(q.dtype)
 
     # This program's key range: everything for v1; for v2 a run of whole tiles, so that
     # only the sequence's last tile is ever partial.
@@ -113,12 +169,24 @@ def _decode_attention_kernel(
     # tile before it computes, like the others. A second loop for it alone (unmasked full
     # tiles first) drains the pipeline before it: at 64 sequences x 513 tokens 39.9 us
     # against 39.0, though 251.5 against 254.0 us when no tile is partial (64 x 4096).
-    for start_n in range(start, end, BLOCK_N):
+    # With ROPE the sequence's newest token (the last of seq_len) is not read from the cache:
+    # the program whose range holds it stores it there and folds it in from registers.
+    loop_end = tl.minimum(end, seq_len - 1) if ROPE else end
+    if ROPE:
+        k_new, k_partner, v_new, new_slot = _load_new_token(k_new_ptr, v_new_ptr, slot_mapping_ptr, seq, kv_head,
+                                                            stride_kns, stride_knh, stride_vns, stride_vnh, HEAD_DIM)
+    for start_n in range(start, loop_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
-            start_n, seq_len, qk_scale,
+            start_n, loop_end, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
+    if ROPE:
+        if (start <= seq_len - 1) & (seq_len - 1 < end):
+            m_i, l_i, acc = _new_token(q, m_i, l_i, acc, k_new, k_partner, v_new, new_slot, k_cache_ptr, v_cache_ptr,
+                                       kv_head, cos, signed_sin, qk_scale,
+                                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                       BLOCK_SIZE, HEAD_DIM)
 
     # An empty range (a split past the end of a short sequence) has l_i = 0: it writes a
     # zero output and lse = -inf, which the reduce weighs by exp2(-inf) = 0.
@@ -180,12 +248,15 @@ def _launch_config(head_dim, dtype, device):
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
-                     k_scales=None, v_scales=None, q8_variant=None):
+                     k_scales=None, v_scales=None, q8_variant=None, new_token=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens (v1, or
     v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits), from a
     full-precision or a quantized cache. See kernels_explained/decode_attention.md.
     A quantized cache runs triton_decode_attention_q8 (q8_variant names its Q8Config;
-    None: $LLMLAB_Q8_DECODE or the default), or this file's kernel for "legacy-*"."""
+    None: $LLMLAB_Q8_DECODE or the default), or this file's kernel for "legacy-*".
+    new_token: (k, v, positions, inv_freq, slot_mapping), full-precision caches only: q is not
+    rotated yet and each sequence's last token is not in the cache; the kernel ropes q and k,
+    stores k and v and attends to them from registers (rope_store_decode_attention)."""
     # q:            [num_seqs, num_heads, head_dim]
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
@@ -219,6 +290,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = choose_num_splits(num_seqs, num_kv_heads, int(seq_lens.max()), num_sms)
     block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    if new_token is None:   # the ROPE=False kernel does not read these
+        k_new = v_new = positions = inv_freq = slot_mapping = seq_lens
+        new_strides = (0, 0, 0, 0)
+    else:
+        assert not quantized, "the fused rope + store path takes full-precision caches"
+        k_new, v_new, positions, inv_freq, slot_mapping = new_token
+        new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
     if quantized:
         from .triton_decode_attention_q8 import decode_attention_q8, q8_config  # it imports this module
 
@@ -237,17 +315,19 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         partial_out = partial_lse = out  # unused when SPLIT=False
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
+        k_new, v_new, positions, inv_freq, slot_mapping,
         scale * math.log2(math.e),  # softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e)
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
-        block_tables.stride(0),
+        block_tables.stride(0), *new_strides,
         num_heads, group, num_splits,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
-        QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages, **launch_options(q),
+        QUANTIZED=quantized, ROPE=new_token is not None, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(q),
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_heads)](
