@@ -99,7 +99,8 @@ def count_launches():
 
 def unfused(backend):
     """Plug the backend's own rope and store_kv in as overrides: the model then runs the
-    pair instead of rope_store_kv (the same math, one launch more per layer)."""
+    pair (and decode_attention apart) instead of rope_store_kv, or of rope_store_decode_attention
+    in a decode step without splits (the same math, one or two launches more per layer)."""
     from llmlab import kernels
 
     return kernels.override(rope=kernels.get_kernel("rope", backend), store_kv=kernels.get_kernel("store_kv", backend))
