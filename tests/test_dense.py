@@ -49,3 +49,32 @@ def test_onednn_is_used_on_this_cpu():
     if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN's packed linear is only relied on for x86 CPUs")
     assert dense.onednn_works()
+
+
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_one_row_library_is_read_from_the_environment_and_both_agree(monkeypatch, library):
+    """LLMLAB_CPU_ONE_ROW decides without timing; either library's one-row product is F.linear's."""
+    monkeypatch.setattr(dense, "_one_row", None)
+    monkeypatch.setenv("LLMLAB_CPU_ONE_ROW", library)
+    monkeypatch.setattr(dense, "_time_one_row", lambda: pytest.fail("timed although the environment decides"))
+    assert dense.one_row_library() == library
+    gen = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(960, 576, generator=gen) / 24, torch.randn(1, 576, generator=gen)
+    torch.testing.assert_close(dense.linear(x, weight), F.linear(x, weight), **TOLERANCE[torch.float32])
+    monkeypatch.setattr(dense, "_one_row", None)   # the next test decides afresh
+
+
+def test_one_row_library_is_timed_once(monkeypatch):
+    monkeypatch.setattr(dense, "_one_row", None)
+    monkeypatch.delenv("LLMLAB_CPU_ONE_ROW", raising=False)
+    calls = []
+    monkeypatch.setattr(dense, "_time_one_row", lambda: calls.append(1) or "onednn")
+    assert dense.one_row_library() == "onednn" and dense.one_row_library() == "onednn"
+    assert calls == [1]
+    monkeypatch.setattr(dense, "_one_row", None)
+
+
+def test_the_probe_names_a_library():
+    if not dense.onednn_works():
+        pytest.skip("no oneDNN linear here")
+    assert dense._time_one_row() in ("mkl", "onednn")

@@ -11,6 +11,12 @@ float32 weights once takes (2-core Zen 4, ms)
     oneDNN        20    40    99
     oneDNN, packed 17   24    78      (bfloat16: 10, 14, 42)
 
+One row is the exception: which library wins there depends on the processor. On a 2-core
+Xeon with AVX-512 MKL is the faster (SmolLM2's 30 layers at one row: MKL 8.95 ms, oneDNN
+packed 13.5; at 16 rows 26.1 against 19.6). So the first float32 one-row product of a
+process times both on a probe bigger than the caches and keeps the faster for every one-row
+product after it (`one_row_library`; LLMLAB_CPU_ONE_ROW=mkl or onednn decides instead).
+
 So on a CPU each weight gets a packed copy on its first use, kept beside the plain tensor
 (which everything else -- hooks, sharding, notebooks -- keeps reading) and rebuilt if
 the weight is modified in place. The ops are `torch.ops.mkldnn._reorder_linear_weight`
@@ -45,12 +51,15 @@ SWIGLU_GEMM = os.environ.get("LLMLAB_SWIGLU_GEMM", "0") == "1"
 _CUBLAS_ROWS = 32
 _PACK_FOR_ROWS = 16           # oneDNN picks its blocking for this many rows; 1-512 all gain
 _onednn_works: bool | None = None
+_one_row: str | None = None   # "mkl" or "onednn", once decided (one_row_library)
 _packed: dict = {}            # id(weight) -> (weak ref to it, its version, packed copy)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
     if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and onednn_works():
+        if x.dtype == torch.float32 and x.numel() == x.shape[-1] and one_row_library() == "mkl":
+            return F.linear(x, weight, bias)   # one row, where MKL measured faster on this machine
         return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
     if (USE_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_ROWS and bias is None
             and x.dtype in _GEMV_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1):
@@ -100,6 +109,41 @@ def prepack(weights) -> None:
         for weight in weights:
             if weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES:
                 packed(weight)
+
+
+def one_row_library() -> str:
+    """"mkl" or "onednn": the faster library for a float32 product of one row on this
+    machine, timed once per process (LLMLAB_CPU_ONE_ROW=mkl or onednn: no timing). The probe
+    streams six 2048 x 1024 weights (48 MB, more than a small machine's caches, as a model's
+    layers are), each library's best of three passes; the two differed by 1.5x and more on
+    the machines measured, far beyond the probe's noise."""
+    global _one_row
+    if _one_row is None:
+        choice = os.environ.get("LLMLAB_CPU_ONE_ROW", "").lower()
+        if choice not in ("mkl", "onednn"):
+            choice = _time_one_row()
+        _one_row = choice
+    return _one_row
+
+
+def _time_one_row() -> str:
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        weights = [torch.randn(2048, 1024, generator=gen) for _ in range(6)]
+        blocked = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_FOR_ROWS) for w in weights]
+        x = torch.randn(1, 1024, generator=gen)
+        calls = {"mkl": lambda w, b: F.linear(x, w),
+                 "onednn": lambda w, b: torch.ops.mkldnn._linear_pointwise(x, b, None, "none", [], "")}
+        best = {}
+        for _ in range(3):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                for w, b in zip(weights, blocked):
+                    call(w, b)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    return min(best, key=best.get)
 
 
 def onednn_works() -> bool:
