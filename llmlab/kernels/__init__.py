@@ -205,6 +205,7 @@ def rope_store_decode_attention(q, k, v, positions, theta, scaling, k_cache, v_c
     return _call("rope_store_decode_attention", backend, q, k, v, positions, theta, scaling, k_cache, v_cache,
                  slot_mapping, block_tables, seq_lens, scale, num_splits, *_scales(k_scales, v_scales))
 
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, backend=None):
     return _call("sample", backend, logits, temperature, top_k, top_p, min_p, seeds, positions)
 

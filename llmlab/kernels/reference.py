@@ -163,7 +163,6 @@ def rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_map
     return q
 
 
-
 def rope_store_decode_attention(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
                                 block_tables, seq_lens, scale, num_splits=1, k_scales=None, v_scales=None):
     """A decode step's rope_store_kv, then its decode_attention: one kernel on a GPU
@@ -173,6 +172,7 @@ def rope_store_decode_attention(q, k, v, positions, theta, scaling, k_cache, v_c
     Shapes as in rope_store_kv and decode_attention; returns the attention output [S, H, D]."""
     q = rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales)
+
 
 def gather_kv(cache, block_table, seq_len, scales=None):
     """The first seq_len cached rows of one sequence, in order: [seq_len, Hkv, D]

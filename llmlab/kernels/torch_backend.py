@@ -89,12 +89,12 @@ def rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_map
     return q
 
 
-
 def rope_store_decode_attention(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,
                                 block_tables, seq_lens, scale, num_splits=1, k_scales=None, v_scales=None):
     # the pair again: on a CPU a launch costs nothing worth fusing for
     q = rope_store_kv(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales)
+
 
 def gather_blocks(cache, tables, scales, dtype):
     """cache[tables] as `dtype` ([len(tables), block_size, Hkv, D]), dequantized when the

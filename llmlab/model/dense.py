@@ -115,8 +115,8 @@ def one_row_library() -> str:
     """"mkl" or "onednn": the faster library for a float32 product of one row on this
     machine, timed once per process (LLMLAB_CPU_ONE_ROW=mkl or onednn: no timing). The probe
     streams six 2048 x 1024 weights (48 MB, more than a small machine's caches, as a model's
-    layers are), each library's best of three passes; the two differed by 1.5x and more on
-    the machines measured, far beyond the probe's noise."""
+    layers are), each library's best of three passes. On the Xeon measured the two differed
+    by 1.5x, far beyond the probe's noise (it chose MKL in five runs of five)."""
     global _one_row
     if _one_row is None:
         choice = os.environ.get("LLMLAB_CPU_ONE_ROW", "").lower()
