@@ -10,7 +10,7 @@ from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import ModelConfig
 from llmlab.engine import ModelRunner
-from llmlab.engine.runner import dummy_plan, num_blocks_of
+from llmlab.engine.batch import dummy_plan, num_blocks_of
 from llmlab.model.llama import LlamaModel
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler import Plan, ScheduledItem, Scheduler

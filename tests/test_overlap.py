@@ -14,7 +14,7 @@ import llmlab
 from engine_helpers import assert_all_blocks_free, run_all
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
-from llmlab.engine import runner
+from llmlab.engine import batch as batches
 from llmlab.engine.input_buffers import ALIGN, BlockTableRows, InputBuffers
 from llmlab.engine.warm_up import graph_keys, spec, warm_up_plans
 from llmlab.model.llama import LlamaModel
@@ -291,9 +291,9 @@ def test_staged_inputs_equal_fresh_tensors_and_are_aligned(seed):
         prefills = [(int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(9, 30, (1,), generator=gen)))
                     for _ in range(int(torch.randint(0, 4, (1,), generator=gen)))]
         decodes = torch.randint(2, 30, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
-        plan = runner.dummy_plan(4, prefills, decodes)
-        fresh = runner.prepare(plan, 4, torch.device("cpu"))
-        staged = runner.prepare(plan, 4, torch.device("cpu"), buffers=buffers)
+        plan = batches.dummy_plan(4, prefills, decodes)
+        fresh = batches.prepare(plan, 4, torch.device("cpu"))
+        staged = batches.prepare(plan, 4, torch.device("cpu"), buffers=buffers)
         for name in ("slot_mapping", "prefill_cu_seqlens_q", "prefill_seq_lens", "decode_seq_lens",
                      "logits_indices", "prefill_block_tables", "decode_block_tables"):
             a, b = getattr(fresh[2], name), getattr(staged[2], name)
@@ -304,14 +304,14 @@ def test_staged_inputs_equal_fresh_tensors_and_are_aligned(seed):
 
 
 def test_pending_tokens_are_taken_from_the_device_tensor():
-    plan = runner.dummy_plan(4, prefills=[(3, 3)], decodes=[5, 9])
+    plan = batches.dummy_plan(4, prefills=[(3, 3)], decodes=[5, 9])
     waiting, pending = plan.decodes[0].request, plan.decodes[1].request
     # `pending` decodes position 8: its first output token, which the host has not read
     pending.prompt_token_ids, pending.output_token_ids, pending.token_pending = [0] * 8, [-1], True
     with pytest.raises(RuntimeError, match="still on the device"):
-        runner.prepare(plan, 4, torch.device("cpu"))
+        batches.prepare(plan, 4, torch.device("cpu"))
     tokens = torch.tensor([50, 60])            # the step in flight sampled 60 for `pending`
-    input_ids, _, _ = runner.prepare(plan, 4, torch.device("cpu"), previous=({waiting: 0, pending: 1}, tokens))
+    input_ids, _, _ = batches.prepare(plan, 4, torch.device("cpu"), previous=({waiting: 0, pending: 1}, tokens))
     assert input_ids.tolist() == [0, 0, 0, 0, 60]
 
 

@@ -22,9 +22,9 @@ import llmlab
 from llmlab import EngineConfig, LLMEngine
 from llmlab.bench import offline
 from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
-from llmlab.engine import runner
-from llmlab.engine.pipeline import StageSpan, micro_batch_cuts, micro_batches
-from llmlab.engine.placement import RankLayout, stage_layers, weights_of_stage
+from llmlab.engine import batch as batches
+from llmlab.engine.parallel.pipeline import StageSpan, micro_batch_cuts, micro_batches
+from llmlab.engine.parallel.placement import RankLayout, stage_layers, weights_of_stage
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import named_weights
 from llmlab.viz import parallel_figures
@@ -89,10 +89,10 @@ def test_micro_batches_one_after_another_give_the_whole_batch_logits():
     """Sequences only meet in the matrix products, so running the micro-batches in turn
     (each through every layer) is the whole batch's forward, row for row."""
     model = LlamaModel.random(tiny_config(num_layers=2), torch.float32, "cpu")
-    plan = runner.dummy_plan(4, prefills=[(5, 9), (12, 12)], decodes=[3, 20, 7, 1])
-    input_ids, positions, batch = runner.prepare(plan, 4, torch.device("cpu"), backend="torch")
+    plan = batches.dummy_plan(4, prefills=[(5, 9), (12, 12)], decodes=[3, 20, 7, 1])
+    input_ids, positions, batch = batches.prepare(plan, 4, torch.device("cpu"), backend="torch")
     input_ids = torch.randint(0, TINY_VOCAB, input_ids.shape, generator=torch.Generator().manual_seed(0))
-    num_blocks = runner.num_blocks_of(plan, 4)
+    num_blocks = batches.num_blocks_of(plan, 4)
 
     def fresh_cache():
         return torch.zeros(2, 2, num_blocks, 4, 2, 16)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import llmlab
 from llmlab import EngineConfig, LLMEngine
 from llmlab.config import ModelConfig
-from llmlab.engine import wire
+from llmlab.engine.parallel import wire
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import (check_tensor_parallel_size, kv_heads_of_rank, named_weights,
                                           shard_weight)

@@ -120,7 +120,7 @@ def new_cache(model, num_tokens, dtype, block_size=16, device=None):
 def chunk_logprobs(model, token_ids, kv_cache, start, block_size=16, store_kv=None):
     """Log-probabilities [n, vocab] of the token after each of token_ids[start:start + CHUNK],
     with everything before `start` already in kv_cache (one prefill chunk)."""
-    from llmlab.engine.runner import prepare
+    from llmlab.engine.batch import prepare
     from llmlab.scheduler import Plan, ScheduledItem
 
     device = kv_cache.device.device

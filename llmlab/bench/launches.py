@@ -138,7 +138,7 @@ def decode_step(engine, batch_size: int, context: int, num_splits: int | None = 
     """fn() running one eager decode forward of `batch_size` sequences at `context` tokens,
     through the engine's runner (a dummy plan on an unused cache). `num_splits` replaces the
     runner's flash-decoding split count (1: no split-K reduce launch)."""
-    from llmlab.engine.runner import dummy_plan
+    from llmlab.engine.batch import dummy_plan
 
     runner = engine.runner
     input_ids, positions, batch = runner.prepare(dummy_plan(engine.config.block_size, decodes=[context] * batch_size))

@@ -101,8 +101,8 @@ def _profile(fn, title) -> None:
 def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
     """(prefill ms, decode ms) for one forward: `batch_size` prompts of `seq_len` tokens,
     then one decode step of those sequences after seq_len cached tokens (graph replay when
-    captured). The batches are dummy plans (runner.dummy_plan) over an unused cache."""
-    from llmlab.engine.runner import dummy_plan
+    captured). The batches are dummy plans (batch.dummy_plan) over an unused cache."""
+    from llmlab.engine.batch import dummy_plan
 
     runner, block_size = engine.runner, engine.config.block_size
     prefill_ms = None

@@ -11,7 +11,7 @@ step N's tokens, so that host work runs while the device computes:
 Planning step N+1 without step N's tokens: each request that sampled in step N holds a
 placeholder for its token (`request.token_pending`, scheduler.py), so it is scheduled to
 decode it, and the runner takes its input id on the device from step N's sampled tensor
-(`runner.prepare`'s `previous`). The host reads the tokens a step late, through a pinned copy
+(`batch.prepare`'s `previous`). The host reads the tokens a step late, through a pinned copy
 and an event (it waits for step N only, not for N+1 behind it), so stop checks,
 detokenization and outputs lag one step. A request that step N's token ends (EOS, a stop
 token or string) has decoded one token too many in step N+1: that token is dropped and its
@@ -52,7 +52,7 @@ class InFlightStep:
 
     @property
     def previous(self) -> tuple[dict[Request, int], torch.Tensor]:
-        """(rows, tokens) for the next step's runner.prepare: request -> its row of `sampled`."""
+        """(rows, tokens) for the next step's batch.prepare: request -> its row of `sampled`."""
         return {request: row for row, request in enumerate(self.requests)}, self.sampled
 
     def tokens(self) -> list[int]:

@@ -2,7 +2,7 @@
 
 At start-up, in this order:
   load        the model folder (or the LlamaModel given), the tokenizer beside it
-  distribute  tensor parallelism: the model cut into shards, one per rank (distributed.py)
+  distribute  tensor parallelism: the model cut into shards, one per rank (parallel/executor.py)
   prepack     on a CPU, each weight in oneDNN's blocked layout (dense.py, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
@@ -10,7 +10,7 @@ At start-up, in this order:
               (cuda_graphs.py, warm_up.graph_keys)
   warm-up     throwaway batches that compile every Triton kernel variant a step can use
               (warm_up.py), so none compiles while requests wait
-Then every step: `swap` (block copies of the plan), `prepare_step` (runner.py: the flat
+Then every step: `swap` (block copies of the plan), `prepare_step` (batch.py: the flat
 batch, staged in persistent buffers, input_buffers.py) and `forward` (logits). `prepare`
 and `execute` do the same for any plan (dummy ones too) with fresh tensors.
 
@@ -23,7 +23,7 @@ import torch
 
 from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab.config import EngineConfig, ModelConfig
-from llmlab.engine import runner
+from llmlab.engine import batch as batches
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
 from llmlab.engine.warm_up import graph_keys, warm_up_plans
@@ -79,11 +79,11 @@ class ModelRunner:
             model, folder = load(config, self.device, self.dtype)
             tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(folder)
         self.tokenizer = tokenizer
-        # tensor parallelism (llmlab.engine.distributed): this process is rank 0 and keeps one
+        # tensor parallelism (llmlab.engine.parallel.executor): this process is rank 0 and keeps one
         # shard; its forward also runs the shards of tensor_parallel_size - 1 workers
         self.executor = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            from llmlab.engine.distributed import ParallelExecutor
+            from llmlab.engine.parallel.executor import ParallelExecutor
 
             self.executor = ParallelExecutor(config, model.config)   # starts the workers
             model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
@@ -116,7 +116,7 @@ class ModelRunner:
             from llmlab.engine.cuda_graphs import CudaGraphDecoder
 
             self.graphs = (CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq, self.backend)
-                           if self.executor is None else  # tp_cuda_graphs.py
+                           if self.executor is None else  # parallel/cuda_graphs.py
                            self.executor.cuda_graphs(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq,
                                                      self.backend))
             # every split count a long context can ask for, now rather than mid-run
@@ -131,8 +131,8 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.num_gpu_blocks is not None:
             return 0
         tokens = self.config.max_num_batched_tokens
-        plan = runner.dummy_plan(self.block_size, prefills=[(tokens, tokens)])
-        probe = KVCache(self.model_config, runner.num_blocks_of(plan, self.block_size), 0,
+        plan = batches.dummy_plan(self.block_size, prefills=[(tokens, tokens)])
+        probe = KVCache(self.model_config, batches.num_blocks_of(plan, self.block_size), 0,
                         self.block_size, self.dtype, self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -153,7 +153,7 @@ class ModelRunner:
                               self.max_model_len, self.num_splits)
         for plan in plans:
             longest = max(item.start_position + item.num_tokens for item in plan.items)
-            if longest > self.max_model_len or runner.num_blocks_of(plan, self.block_size) > num_blocks:
+            if longest > self.max_model_len or batches.num_blocks_of(plan, self.block_size) > num_blocks:
                 continue   # a small engine never sees this shape
             self.execute(plan)
         if self.device.type == "cuda":
@@ -181,15 +181,15 @@ class ModelRunner:
         return 1 << (splits.bit_length() - 1)
 
     def prepare(self, plan: Plan):
-        """input_ids [T], positions [T] and the ForwardBatch of any plan (runner.prepare), in
+        """input_ids [T], positions [T] and the ForwardBatch of any plan (batches.prepare), in
         fresh tensors."""
-        return runner.prepare(plan, self.block_size, self.device, self._splits_of(plan), self.backend)
+        return batches.prepare(plan, self.block_size, self.device, self._splits_of(plan), self.backend)
 
     def prepare_step(self, plan: Plan, previous=None):
         """The same for the engine's step, staged in the persistent buffers (no host sync on
         CUDA). `previous`: (rows, tokens) of the step in flight, whose sampled tokens the
         pending requests take as inputs on the device (async scheduling)."""
-        return runner.prepare(plan, self.block_size, self.device, self._splits_of(plan), self.backend,
+        return batches.prepare(plan, self.block_size, self.device, self._splits_of(plan), self.backend,
                               self.buffers, previous)
 
     def _splits_of(self, plan: Plan) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 
-from llmlab.engine.runner import dummy_plan
+from llmlab.engine.batch import dummy_plan
 from llmlab.scheduler import Plan
 
 # (prefills as (chunk, context) pairs, decode contexts): a step of one token, odd and
@@ -42,7 +42,7 @@ def first_of_each(values, key) -> list:
 
 def warm_up_plans(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                   num_splits) -> list[Plan]:
-    """Dummy plans (runner.dummy_plan) that together hit every kernel variant listed above.
+    """Dummy plans (batch.dummy_plan) that together hit every kernel variant listed above.
     `num_splits(num_decodes, longest context)` is the runner's split choice."""
     max_width = -(-max_model_len // block_size)
     # one context per class of block-table width: tables of 1, 2 and 16 blocks

@@ -39,7 +39,7 @@ LOGITS_DTYPE = torch.float32
 
 @dataclass
 class ForwardBatch:
-    """Everything the forward needs besides token ids and positions (built by engine/runner.py)."""
+    """Everything the forward needs besides token ids and positions (built by engine/batch.py)."""
     num_prefill_tokens: int              # the first tokens of the batch belong to prefill chunks
     slot_mapping: torch.Tensor           # [T] cache slot of each new token
     prefill_cu_seqlens_q: torch.Tensor   # [P + 1] start of each prefill chunk in the batch
@@ -86,7 +86,7 @@ class LlamaModel:
 
     def decoder_layers(self, hidden, residual, positions, batch: ForwardBatch, kv_cache, kv_scales=None):
         """Every layer of this model over the batch: (hidden, residual) in and out, residual
-        None before the first layer. A pipeline stage (engine/pipeline.py) is a model of
+        None before the first layer. A pipeline stage (engine/parallel/pipeline.py) is a model of
         a few layers, and passes this pair on to the next stage."""
         cfg, b = self.config, batch.backend
         for i, layer in enumerate(self.layers):

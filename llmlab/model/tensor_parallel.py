@@ -20,7 +20,7 @@ embedding, attention, MLP and logits are the model's own followed by a collectiv
 TensorParallelGroup. Parallelism wraps the forward's parts from outside (as gpt-fast's
 tp.py hooks its modules); LlamaModel.forward itself has none. The communication goes
 through torch.distributed (NCCL on GPUs, gloo on CPU); the process groups are set up by
-llmlab.engine.distributed, and the weights handed out by llmlab.engine.placement (which
+llmlab.engine.parallel.executor, and the weights handed out by llmlab.engine.parallel.placement (which
 also cuts the layers into pipeline stages).
 """
 from __future__ import annotations

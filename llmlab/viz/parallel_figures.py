@@ -1,7 +1,7 @@
 """Parallelism, drawn: which rank holds which weights, and a pipeline's timeline.
 
 Pure functions of a ModelConfig and the parallel sizes (the placement is computed by the
-engine's own functions: model/tensor_parallel.py, engine/placement.py), or of the
+engine's own functions: model/tensor_parallel.py, engine/parallel/placement.py), or of the
 StageSpans an engine recorded:
 
     tensor_parallel_placement(config, tp=3)        # config: the whole model's ModelConfig
@@ -14,8 +14,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from llmlab.config import ModelConfig
-from llmlab.engine.pipeline import StageSpan
-from llmlab.engine.placement import RankLayout, stage_layers
+from llmlab.engine.parallel.pipeline import StageSpan
+from llmlab.engine.parallel.placement import RankLayout, stage_layers
 from llmlab.model.tensor_parallel import kv_heads_of_rank, padded_vocab_size
 from llmlab.viz.machine import machine_note
 

@@ -3,7 +3,7 @@
 With tensor_parallel_size = tp and pipeline_parallel_size = pp there are tp x pp ranks.
 Rank r is tensor-parallel rank r % tp of pipeline stage r // tp: the tp ranks of a stage
 share its layers Megatron-style (model/tensor_parallel.py), and stage s holds a contiguous
-range of layers (engine/pipeline.py passes the activations from stage to stage):
+range of layers (engine/parallel/pipeline.py passes the activations from stage to stage):
 
     pp=2, tp=2, 30 layers     rank 0   rank 1   |  rank 2   rank 3
                               stage 0: embedding,  |  stage 1: layers 15-29,

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the layers cut into stages, one step's batch cut into micro-batches.
 
-Stage s (its ranks: engine/placement.py) holds a contiguous range of layers and only their
+Stage s (its ranks: engine/parallel/placement.py) holds a contiguous range of layers and only their
 KV cache. A step's flat batch is cut, at sequence boundaries, into micro-batches of about
 equal token counts, as GPipe does for training (Huang et al. 2019). Each stage runs them
 in order: receive a micro-batch's activations (hidden states and the residual stream)
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llmlab.engine.placement import RankLayout
+from llmlab.engine.parallel.placement import RankLayout
 from llmlab.model.llama import ForwardBatch, LlamaModel
 
 # micro-batches per step: as many as stages fills the pipeline (every stage busy at once

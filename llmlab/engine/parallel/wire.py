@@ -9,7 +9,7 @@ payload:
              broadcast in the world group. On GPUs that is NCCL, from rank 0's device
              memory to each worker's: no host copy, no pickle, no sync on rank 0.
     SWAP     the plan's (source, destination) block copies, an int64 tensor in the control group
-    CAPTURE  capture CUDA graphs of decode steps (tp_cuda_graphs.py): the sizes in the header,
+    CAPTURE  capture CUDA graphs of decode steps (parallel/cuda_graphs.py): the sizes in the header,
              the (batch size, splits) keys as an int64 tensor in the control group
     STOP     nothing: the worker leaves its loop and exits
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llmlab.engine.placement import Groups
+from llmlab.engine.parallel.placement import Groups
 from llmlab.model.llama import ForwardBatch
 
 FORWARD, SWAP, STOP, CAPTURE = 1, 2, 3, 4

@@ -8,7 +8,7 @@ TP=1, and a step replays the graph of one key on every rank at once: the ranks' 
 in the captured all-reduces, as their eager forwards do.
 
 Rank 0 decides, as without tensor parallelism (ModelRunner.forward), and tells the workers
-with the step (engine/wire.py: the FORWARD header's `graphed` flag). Captures happen on
+with the step (engine/parallel/wire.py: the FORWARD header's `graphed` flag). Captures happen on
 every rank together too (the CAPTURE message): a capture runs the forward once eagerly,
 collectives and all, before recording it. Only without pipeline parallelism: a stage's
 step also waits on its neighbours' sends, which these graphs do not hold.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from llmlab.engine.cuda_graphs import CudaGraphDecoder
-from llmlab.engine.pipeline import whole_batch_cuts
+from llmlab.engine.parallel.pipeline import whole_batch_cuts
 from llmlab.model.llama import ForwardBatch
 from llmlab.model.tensor_parallel import TensorParallelShard
 

@@ -1,11 +1,11 @@
 """Parallel execution: this process is rank 0; tensor_parallel_size x pipeline_parallel_size
 - 1 worker processes are the other ranks, one GPU each (cuda:{rank}, NCCL) or, without CUDA,
-one CPU process each (gloo). engine/placement.py says which rank holds what.
+one CPU process each (gloo). engine/parallel/placement.py says which rank holds what.
 
 Rank 0 runs the whole engine: the one scheduler, block manager, runner and sampler. Its
 model is a ParallelModel, whose forward broadcasts the prepared batch to every worker
-(engine/wire.py: a small header, then the batch's tensors, all through torch.distributed)
-and then runs rank 0's own part of it (engine/pipeline.py: its layers, its micro-batches);
+(engine/parallel/wire.py: a small header, then the batch's tensors, all through torch.distributed)
+and then runs rank 0's own part of it (engine/parallel/pipeline.py: its layers, its micro-batches);
 each worker runs its part of the same step, and the ranks meet in the tensor-parallel
 all-reduces (model/tensor_parallel.py) and the pipeline's send/recv. Only rank 0 samples.
 
@@ -37,10 +37,10 @@ import torch.multiprocessing as mp
 
 from llmlab.cache.kv_cache import bytes_per_block
 from llmlab.config import EngineConfig, ModelConfig
-from llmlab.engine import wire
-from llmlab.engine.pipeline import StageSpan, cuts_for, micro_batches, run_stage
-from llmlab.engine.placement import Groups, RankLayout, distribute_weights, join_groups, local_config, stage_layers
-from llmlab.engine.tp_worker import COLLECTIVE_TIMEOUT, rank_device, worker_main
+from llmlab.engine.parallel import wire
+from llmlab.engine.parallel.pipeline import StageSpan, cuts_for, micro_batches, run_stage
+from llmlab.engine.parallel.placement import Groups, RankLayout, distribute_weights, join_groups, local_config, stage_layers
+from llmlab.engine.parallel.worker import COLLECTIVE_TIMEOUT, rank_device, worker_main
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.tensor_parallel import TensorParallelGroup, TensorParallelShard, model_from_weights
 
@@ -146,9 +146,9 @@ class ParallelExecutor:
         self.steps_run += 1
 
     def cuda_graphs(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, backend):
-        """Decode-step CUDA graphs captured on every rank (tp_cuda_graphs.py); tensor
+        """Decode-step CUDA graphs captured on every rank (parallel/cuda_graphs.py); tensor
         parallelism only."""
-        from llmlab.engine.tp_cuda_graphs import ParallelCudaGraphs
+        from llmlab.engine.parallel.cuda_graphs import ParallelCudaGraphs
 
         if self.layout.pp > 1:
             raise ValueError("CUDA graphs of pipeline-parallel steps are not supported; their steps run eagerly")

@@ -2,8 +2,8 @@
 
 Each worker joins the process groups, receives its weights from rank 0 (its stage's
 layers, its tensor-parallel shard of them), and then runs its part of every step rank 0
-broadcasts (engine/wire.py) until STOP: see llmlab.engine.distributed for rank 0's side
-and the life of a worker, engine/pipeline.py for what one part of a step is.
+broadcasts (engine/parallel/wire.py) until STOP: see llmlab.engine.parallel.executor for rank 0's side
+and the life of a worker, engine/parallel/pipeline.py for what one part of a step is.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from llmlab.cache.kv_cache import KVCache
 from llmlab.config import EngineConfig, ModelConfig
-from llmlab.engine import wire
+from llmlab.engine.parallel import wire
 from llmlab.engine.cuda_graphs import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
-from llmlab.engine.pipeline import micro_batches, run_stage
-from llmlab.engine.placement import RankLayout, distribute_weights, join_groups, local_config
-from llmlab.engine.tp_cuda_graphs import LocalForward
+from llmlab.engine.parallel.pipeline import micro_batches, run_stage
+from llmlab.engine.parallel.placement import RankLayout, distribute_weights, join_groups, local_config
+from llmlab.engine.parallel.cuda_graphs import LocalForward
 from llmlab.model import dense
 from llmlab.model.tensor_parallel import TensorParallelGroup, TensorParallelShard, model_from_weights
 
@@ -87,7 +87,7 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
                 kv_cache.swap_out(message[1])
                 kv_cache.swap_in(message[2])
                 continue
-            if message[0] == "capture":        # with rank 0, key for key (tp_cuda_graphs.py)
+            if message[0] == "capture":        # with rank 0, key for key (parallel/cuda_graphs.py)
                 _, max_num_seqs, max_blocks_per_seq, num_blocks, backend, keys = message
                 cache = cache_of(num_blocks)
                 if graphs is None:
