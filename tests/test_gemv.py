@@ -1,11 +1,11 @@
-"""The Triton GEMV (kernels/triton_gemv.py) against F.linear: one row times a weight, shapes
+"""The Triton GEMV (kernels/dense/gemv.py) against F.linear: one row times a weight, shapes
 whose N and K are not multiples of the tiles, every variant; on a GPU, dense.linear sends
 one-row products to it and the model's outputs do not change."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlab.kernels.triton_gemv import GEMV_CONFIGS, config_for, gemv
+from llmlab.kernels.dense.gemv import GEMV_CONFIGS, config_for, gemv
 
 
 @pytest.mark.parametrize("n,k", [(40, 96), (33, 2048), (16, 1024), (7, 1500)])
@@ -40,7 +40,7 @@ def test_gemv_rejects_more_than_one_row():
 def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
     """On a GPU, dense.linear sends 1 row to the GEMV and 33-64 rows to the skinny GEMM (bf16,
     programmatic dependent launch on Hopper), other row counts to cuBLAS; all agree with it."""
-    from llmlab.kernels import triton_gemv, triton_skinny_gemm
+    from llmlab.kernels.dense import gemv as triton_gemv, skinny_gemm as triton_skinny_gemm
     from llmlab.model import dense
 
     calls = []
@@ -61,8 +61,8 @@ def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
 @pytest.mark.parametrize("m,n,k", [(2, 40, 96), (5, 70, 300), (17, 33, 256), (64, 130, 512), (33, 16, 1500)])
 def test_skinny_gemm_matches_f_linear(m, n, k):
     """2-64 rows: every row padded into one tile, N and K tails masked, each shipped tile."""
-    from llmlab.kernels.triton_skinny_gemm import config_for as skinny_config_for, skinny_gemm
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense.skinny_gemm import config_for as skinny_config_for, skinny_gemm
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     gen = torch.Generator().manual_seed(m * n + k)
     weight = torch.randn(n, k, generator=gen)
@@ -76,9 +76,9 @@ def test_skinny_gemm_matches_f_linear(m, n, k):
 def test_swiglu_gemm_is_silu_mul_of_the_product():
     """gate_up and silu_mul in one kernel: a strided x and a gate_up slice of a NaN-filled
     matrix (nothing around them may leak in), I and K not multiples of the tile."""
-    from llmlab.kernels import triton_silu_mul
-    from llmlab.kernels.triton_gemv import GemvConfig
-    from llmlab.kernels.triton_skinny_gemm import swiglu_gemm
+    from llmlab.kernels.triton import silu_mul as triton_silu_mul
+    from llmlab.kernels.dense.gemv import GemvConfig
+    from llmlab.kernels.dense.skinny_gemm import swiglu_gemm
 
     gen = torch.Generator().manual_seed(4)
     m, k, features = 37, 72, 25
@@ -100,7 +100,8 @@ def test_gpu_swiglu_gemm_routing_and_agreement(monkeypatch):
     with silu_mul after the skinny GEMM; other row counts, the torch backend and a student's
     silu_mul override take the pair."""
     from llmlab import kernels
-    from llmlab.kernels import triton_silu_mul, triton_skinny_gemm
+    from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
+    from llmlab.kernels.triton import silu_mul as triton_silu_mul
     from llmlab.model import dense
 
     monkeypatch.setattr(dense, "SWIGLU_GEMM", True)
@@ -125,8 +126,8 @@ def test_gpu_swiglu_gemm_routing_and_agreement(monkeypatch):
 
 def test_skinny_gemm_padding_rows_and_columns_stay_out():
     """NaN around a strided x and weight: nothing outside them reaches the result."""
-    from llmlab.kernels.triton_skinny_gemm import skinny_gemm
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense.skinny_gemm import skinny_gemm
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     gen = torch.Generator().manual_seed(1)
     big_w = torch.full((40, 200), float("nan"))
@@ -148,8 +149,8 @@ def test_skinny_gemm_padding_rows_and_columns_stay_out():
     (130, 512, "n128-k128-w8-s4-split2"),  # whole slices, K exactly split
 ])
 def test_split_k_matches_f_linear(m, n, k, config):
-    from llmlab.kernels import triton_skinny_gemm
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     gen = torch.Generator().manual_seed(m * n + k)
     weight = torch.randn(n, k, generator=gen)
@@ -168,8 +169,8 @@ def test_split_k_matches_f_linear(m, n, k, config):
 def test_split_k_is_bitwise_repeatable_and_leaves_counters_at_zero():
     """Two calls give the same bits (the reduction's order is fixed), and each leaves every
     tile counter at 0, which the next call and CUDA graph replays count from."""
-    from llmlab.kernels import triton_skinny_gemm
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(70, 200, generator=gen)
@@ -185,8 +186,8 @@ def test_split_k_is_bitwise_repeatable_and_leaves_counters_at_zero():
 def test_split_k_reuses_its_workspace_for_any_row_count():
     """One workspace per (device, split, padded N, tiles), sized for 64 rows on the first call, so a
     CUDA graph captured after an eager call of another batch size allocates nothing."""
-    from llmlab.kernels import triton_skinny_gemm
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     config = GemvConfig.from_name("n32-k32-w4-s2-split2")
     weight = torch.randn(40, 64)
@@ -201,8 +202,8 @@ def test_split_k_reuses_its_workspace_for_any_row_count():
 def test_split_k_tiles_of_another_width_and_the_same_padded_n_get_their_own_counters():
     """96 outputs pad to 128 in one 128-wide tile or two 64-wide ones: the second needs two
     counters, not the one the first left behind."""
-    from llmlab.kernels import triton_skinny_gemm
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(96, 64, generator=gen)
@@ -214,7 +215,7 @@ def test_split_k_tiles_of_another_width_and_the_same_padded_n_get_their_own_coun
 
 
 def test_config_names_round_trip():
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     for name in ("n16-k256-w4-s3", "n128-k128-w8-s4-split8"):
         assert GemvConfig.from_name(name).name == name
@@ -227,7 +228,7 @@ def test_config_names_round_trip():
 def test_prefetch_lines(monkeypatch):
     """How much of its weight rows a skinny-GEMM program asks L2 for before it waits: ~32 KB
     a program, a power of two of 128-byte lines, none without PDL or with LLMLAB_PREFETCH=0."""
-    from llmlab.kernels import pdl
+    from llmlab.kernels.triton import pdl
 
     x = torch.zeros(1)
     assert pdl.prefetch_lines(x, 32, 8192) == 0          # a CPU tensor: no PDL, nothing to overlap

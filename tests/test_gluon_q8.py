@@ -1,4 +1,4 @@
-"""The Gluon 8-bit decode kernel (kernels/gluon_decode_attention_q8.py) against the reference,
+"""The Gluon 8-bit decode kernel (kernels/gluon/decode_attention_q8.py) against the reference,
 on a GPU: lengths that are not multiples of its 16-token tiles or of the block size, empty
 splits, int8 and fp8 codes, NaN scales in every slot no sequence owns."""
 import itertools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmlab.kernels import reference
-from llmlab.kernels.triton_decode_attention import decode_attention
+from llmlab.kernels.triton.decode_attention import decode_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +94,7 @@ def test_gluon_tma_and_cp_async_copies_give_the_same_bits(cache_dtype):
     """The engine's caches (a block's slots and a slot's kv heads back to back) go to the TMA;
     rows with room after their kv heads still do; blocks that are not back to back (every
     other block of a bigger tensor) go to cp.async. The tile's values are the same either way."""
-    from llmlab.kernels import gluon_decode_attention_q8 as gluon
+    from llmlab.kernels.gluon import decode_attention_q8 as gluon
 
     q, k, v, table, lens, ks, vs = _case(cache_dtype, 16, LENS, seed=5)
     num_blocks, block_size, num_kv_heads, head_dim = k.shape

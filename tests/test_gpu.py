@@ -64,7 +64,7 @@ def test_sampled_requests_replay_the_sampler_graphs_captured_at_start():
     have (float32, whatever the weights' dtype): sampled requests then replay them and
     capture nothing. (Warmed up on bf16 logits, the first sampled requests of a process
     recaptured every batch bucket: half a second of the issue's 3.4 s workload.)"""
-    from llmlab.kernels import triton_sample_graph
+    from llmlab.kernels.triton import sample_graph as triton_sample_graph
 
     config = EngineConfig(device="cuda", dtype="bfloat16", backend="triton", num_gpu_blocks=512,
                           max_num_seqs=16, max_num_batched_tokens=1024)

@@ -17,7 +17,7 @@ import torch
 
 from llmlab import kernels
 from llmlab.kernels import reference
-from llmlab.kernels.triton_decode_attention import choose_num_splits
+from llmlab.kernels.triton.decode_attention import choose_num_splits
 
 NAN = float("nan")
 LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -149,7 +149,7 @@ def test_rope(backend, dtype, num_heads, num_kv_heads, head_dim, scaling):
 
 
 def test_rope_inplace_and_empty():
-    from llmlab.kernels.triton_rope import rope
+    from llmlab.kernels.triton.rope import rope
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(4, 6 + 2 * 2, 64, generator=gen)  # a fused projection's output, split by views
     q, k = qkv[:, :6], qkv[:, 6:8]
@@ -427,7 +427,7 @@ Q8_LENGTHS = [1, 127, 129, 256, 280, 64]
                          [("packed-n128-w4-s2", 32), ("packed-n256-w8-s1", 32)])
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
 def test_quantized_decode_attention_variants(variant, cache_dtype, block_size):
-    from llmlab.kernels.triton_decode_attention import decode_attention
+    from llmlab.kernels.triton.decode_attention import decode_attention
 
     gen = torch.Generator().manual_seed(23)
     k_codes, k_scales, v_codes, v_scales, block_tables, k_clean, v_clean = quantized_paged_kv(
@@ -445,7 +445,7 @@ def test_quantized_decode_attention_variants(variant, cache_dtype, block_size):
 def test_quantized_decode_attention_queries_beyond_fp16s_half_range(variant):
     """|q| > 2^15 would overflow the kernel's fp16 dots once multiplied out: it halves q
     exactly and doubles the scores instead."""
-    from llmlab.kernels.triton_decode_attention import decode_attention
+    from llmlab.kernels.triton.decode_attention import decode_attention
 
     gen = torch.Generator().manual_seed(24)
     k_codes, k_scales, v_codes, v_scales, block_tables, k_clean, v_clean = quantized_paged_kv(
@@ -462,7 +462,7 @@ def test_quantized_decode_attention_queries_beyond_fp16s_half_range(variant):
 
 
 def test_q8_config_by_name_and_environment(monkeypatch):
-    from llmlab.kernels.triton_decode_attention_q8 import DEFAULT_Q8_CONFIG, Q8_CONFIGS, q8_config
+    from llmlab.kernels.triton.q8_configs import DEFAULT_Q8_CONFIG, Q8_CONFIGS, q8_config
 
     monkeypatch.delenv("LLMLAB_Q8_DECODE", raising=False)
     assert q8_config() == Q8_CONFIGS[DEFAULT_Q8_CONFIG]
@@ -689,8 +689,8 @@ def test_gpu_quantized_decode_and_prefill_attention(cache_dtype, num_splits):
 def test_gpu_quantized_decode_attention_variants(cache_dtype):
     """Every 8-bit decode config compiled (the bit tricks, tile shapes, warps and stages
     the interpreter cannot check), v1 and v2, bf16 queries at Llama-3-8B shapes."""
-    from llmlab.kernels.triton_decode_attention import decode_attention
-    from llmlab.kernels.triton_decode_attention_q8 import Q8_CONFIGS
+    from llmlab.kernels.triton.decode_attention import decode_attention
+    from llmlab.kernels.triton.q8_configs import Q8_CONFIGS
 
     skip_unless_fp8_converts(cache_dtype)
     gen = torch.Generator().manual_seed(25)

@@ -319,7 +319,7 @@ def test_pending_tokens_are_taken_from_the_device_tensor():
 
 def h200_splits(num_seqs: int, context: int) -> int:
     """ModelRunner.num_splits on an H200 (132 SMs) for a model with 8 kv heads."""
-    from llmlab.kernels.triton_decode_attention import choose_num_splits
+    from llmlab.kernels.triton.decode_attention import choose_num_splits
 
     splits = choose_num_splits(num_seqs, 8, context, 132)
     return 1 << (splits.bit_length() - 1)

@@ -123,9 +123,10 @@ def rejection_batch(seed, num_rows=16, vocab=2000):
 
 
 def triton_sample_module():
+    """The Triton sampler's passes (ROUNDS, the radix kernels)."""
     kernels.get_kernel("sample", "triton")      # imports it the way the engine does (interpreter on a CPU)
-    import llmlab.kernels.triton_sample
-    return llmlab.kernels.triton_sample
+    import llmlab.kernels.triton.sample_passes
+    return llmlab.kernels.triton.sample_passes
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 3, 6])
@@ -261,7 +262,8 @@ def test_gpu_graphed_sampler_matches_its_launches(monkeypatch):
     """On the GPU the sampler's launches replay as CUDA graphs per padded batch size: the
     same tokens as launching them one by one, across batch sizes that share a bucket, grow
     the static logits buffer, and change the passes (top-k rows or none)."""
-    triton_sample = triton_sample_module()
+    triton_sample_module()
+    import llmlab.kernels.triton.sample as triton_sample   # its entry decides on graphs
     cases = [(1, 0), (3, 1), (4, 2), (17, 3), (64, 4), (300, 5), (20, 6), (64, 7)]
     for num_rows, seed in cases:
         logits, *params = random_batch(num_rows, 128256, seed=seed)

@@ -313,7 +313,7 @@ def test_online_softmax_steps_end_at_the_softmax():
 
 def test_record_launches_sees_the_launchers_grid():
     from llmlab import kernels
-    from llmlab.kernels import triton_rms_norm, triton_silu_mul
+    from llmlab.kernels.triton import rms_norm as triton_rms_norm, silu_mul as triton_silu_mul
 
     x, weight = torch.randn(3, 40), torch.randn(40)
     with viz.record_launches(triton_rms_norm) as launches:

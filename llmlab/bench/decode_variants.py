@@ -66,8 +66,8 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     JSON to out_path). scale_layouts: "slot" (the cache's: a slot's kv-head scales side
     by side) and/or "head" (a kv head's scales of a block side by side, the same logical
     [blocks, block_size, kv_heads] tensor with other strides; the Gluon kernel only)."""
-    from llmlab.kernels import triton_decode_attention
-    from llmlab.kernels.triton_decode_attention_q8 import Q8_CONFIGS
+    from llmlab.kernels.triton import decode_attention as triton_decode_attention
+    from llmlab.kernels.triton.q8_configs import Q8_CONFIGS
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from llmlab.engine.model_runner import check_device

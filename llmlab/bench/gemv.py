@@ -38,7 +38,7 @@ def skinny_configs(args):
     """The skinny GEMM's tiles to time: --skinny-configs (GemvConfig names, nN-kK-wW-sS with
     an optional -splitS), else a grid of those that fit in shared memory and the split-K
     candidates."""
-    from llmlab.kernels.triton_gemv import GemvConfig
+    from llmlab.kernels.dense.gemv import GemvConfig
 
     if args.skinny_configs:
         return [GemvConfig.from_name(name) for name in args.skinny_configs.split(",")]
@@ -76,8 +76,8 @@ def main(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from llmlab.kernels.triton_gemv import GEMV_CONFIGS, gemv
-    from llmlab.kernels.triton_skinny_gemm import skinny_gemm
+    from llmlab.kernels.dense.gemv import GEMV_CONFIGS, gemv
+    from llmlab.kernels.dense.skinny_gemm import skinny_gemm
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

@@ -307,7 +307,7 @@ def run(out_path=None) -> list[dict]:
     return its rows (also written as JSON to out_path when given)."""
     if not torch.cuda.is_available():
         raise RuntimeError("kernel benchmarks need a CUDA device")
-    from llmlab.kernels.triton_decode_attention import choose_num_splits
+    from llmlab.kernels.triton.decode_attention import choose_num_splits
 
     torch.manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -173,7 +173,7 @@ class ModelRunner:
         down to a power of two so that few CUDA graphs cover every context length."""
         if self.num_sms is None:
             return 1
-        from llmlab.kernels.triton_decode_attention import choose_num_splits
+        from llmlab.kernels.triton.decode_attention import choose_num_splits
 
         quantized = self.config.kv_cache_dtype != "auto"
         splits = choose_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms,

@@ -4,7 +4,7 @@ Every kernel has one signature and three implementations, chosen by backend name
 
 - "reference": the pure-torch spec in `reference.py`, written to be read;
 - "torch": `torch_backend.py`, the same math in fewer, fused torch ops (the CPU default);
-- "triton": a Triton kernel in `triton_<name>.py` (the GPU default).
+- "triton": a Triton kernel in `triton/<name>.py` (the GPU default).
 
 The functions here dispatch on `backend=` or, by default, on the global backend:
 "triton" when CUDA is available, "torch" otherwise. On a machine without CUDA the
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import time
 
 import torch
 
 from . import reference, torch_backend
+from .interpreter import enable_interpreter_if_no_cuda  # noqa: F401  (public: kernels.enable_interpreter_if_no_cuda)
 
 KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "rope_store_kv", "prefill_attention",
                 "decode_attention", "rope_store_decode_attention", "sample")
@@ -59,17 +59,10 @@ def set_backend(name: str | None) -> None:
     _default_backend = name
 
 
-def enable_interpreter_if_no_cuda() -> None:
-    """Triton decides at `@triton.jit` time whether to interpret, so this must run
-    before any llmlab Triton module is imported."""
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
-
 def _triton_impl(name):
     if name not in _triton_impls:
         enable_interpreter_if_no_cuda()
-        module = importlib.import_module(f"{__name__}.triton_{name}")
+        module = importlib.import_module(f"{__name__}.triton.{name}")
         _triton_impls[name] = getattr(module, name)
     return _triton_impls[name]
 

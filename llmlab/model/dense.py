@@ -24,7 +24,7 @@ and `_linear_pointwise`, the ones torch.compile emits; a one-time probe checks t
 exist and agree with F.linear, and everything falls back to F.linear if not.
 
 On a GPU, decode steps' rows go to Triton instead of cuBLAS: a GEMV for one row, a skinny
-GEMM for 33-64 (kernels/triton_gemv.py and triton_skinny_gemm.py have the numbers).
+GEMM for 33-64 (kernels/dense/gemv.py and dense/skinny_gemm.py have the numbers).
 """
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ import torch.nn.functional as F
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
-# On a GPU, one row (a batch-1 decode step) goes to the Triton GEMV (kernels/triton_gemv.py),
-# 33-64 rows (a decode batch) to the skinny GEMM (triton_skinny_gemm.py): on the H200 each is
+# On a GPU, one row (a batch-1 decode step) goes to the Triton GEMV (kernels/dense/gemv.py),
+# 33-64 rows (a decode batch) to the skinny GEMM (dense/skinny_gemm.py): on the H200 each is
 # as fast as cuBLAS or faster on every Llama-3-8B weight, and both take programmatic
-# dependent launch (kernels/pdl.py), which cuBLAS's kernels do not. LLMLAB_GEMV=0: cuBLAS.
+# dependent launch (kernels/triton/pdl.py), which cuBLAS's kernels do not. LLMLAB_GEMV=0: cuBLAS.
 USE_GEMV = os.environ.get("LLMLAB_GEMV", "1") != "0"
 _SKINNY_ROWS = 64
-# gate_up and silu_mul in one skinny launch (kernels/triton_skinny_gemm.py, swiglu_gemm) for
+# gate_up and silu_mul in one skinny launch (kernels/dense/skinny_gemm.py, swiglu_gemm) for
 # 33-64 rows: correct, but no faster on the H200 (a 64-sequence step 5.84-5.91 ms with it,
 # 5.84-5.86 without; kernels_explained/gemv.md), so off unless LLMLAB_SWIGLU_GEMM=1.
 SWIGLU_GEMM = os.environ.get("LLMLAB_SWIGLU_GEMM", "0") == "1"
@@ -64,10 +64,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (USE_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_ROWS and bias is None
             and x.dtype in _GEMV_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1):
         if x.shape[0] == 1:
-            from llmlab.kernels.triton_gemv import gemv
+            from llmlab.kernels.dense.gemv import gemv
             return gemv(x, weight)
         if x.shape[0] > _CUBLAS_ROWS:
-            from llmlab.kernels.triton_skinny_gemm import skinny_gemm
+            from llmlab.kernels.dense.skinny_gemm import skinny_gemm
             return skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
 
@@ -82,7 +82,7 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, backend=None) -> torch.Tensor
     if (SWIGLU_GEMM and USE_GEMV and x.is_cuda and x.dim() == 2 and _CUBLAS_ROWS < x.shape[0] <= _SKINNY_ROWS
             and x.dtype in _GEMV_DTYPES and gate_up.dtype == x.dtype and gate_up.stride(-1) == 1
             and not kernels.is_overridden("silu_mul") and (backend or kernels.default_backend()) == "triton"):
-        from llmlab.kernels.triton_skinny_gemm import swiglu_gemm
+        from llmlab.kernels.dense.skinny_gemm import swiglu_gemm
         return swiglu_gemm(x, gate_up)
     return kernels.silu_mul(linear(x, gate_up), backend=backend)
 

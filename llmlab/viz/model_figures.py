@@ -132,12 +132,12 @@ class Launch:
 
 
 @contextlib.contextmanager
-def record_launches(module):
-    """Inside the block, every launch of a `*_kernel` of `module` (a `llmlab.kernels.triton_*`
-    module) is appended to the yielded list as a Launch, then run as usual: the grid and
-    block sizes the launcher really chose."""
+def record_launches(*modules):
+    """Inside the block, every launch of a `*_kernel` of the given modules (kernel files such
+    as `llmlab.kernels.triton.rms_norm`) is appended to the yielded list as a Launch, then run
+    as usual: the grid and block sizes the launcher really chose."""
     launches: list[Launch] = []
-    kernels = {name: fn for name, fn in vars(module).items()
+    kernels = {(module, name): fn for module in modules for name, fn in vars(module).items()
                if name.endswith("_kernel") and hasattr(type(fn), "__getitem__") and hasattr(fn, "run")}
 
     class Recording:
@@ -152,11 +152,11 @@ def record_launches(module):
             return launch
 
     try:
-        for name, fn in kernels.items():
+        for (module, name), fn in kernels.items():
             setattr(module, name, Recording(name, fn))
         yield launches
     finally:
-        for name, fn in kernels.items():
+        for (module, name), fn in kernels.items():
             setattr(module, name, fn)
 
 

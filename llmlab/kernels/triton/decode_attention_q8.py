@@ -1,7 +1,7 @@
 """Paged decode attention (v1 and v2) from an 8-bit KV cache: int8 or fp8 e4m3 codes, one
 float32 scale per token per kv head.
 
-The same programs as `triton_decode_attention.py` (one per sequence, kv head and split;
+The same programs as `triton/decode_attention_bf16.py` (one per sequence, kv head and split;
 all query heads of the GQA group as the rows of each `tl.dot`), rebuilt for the one cost a
 full-precision cache does not have: turning codes into numbers a tensor core takes. The
 first int8 kernel ("legacy") wrote `codes.to(bf16)` before the dots; Triton then moved the
@@ -27,14 +27,11 @@ See kernels_explained/kv_quantization.md.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import torch
 
-from . import enable_interpreter_if_no_cuda
-from .pdl import launch_options, use_pdl
-from .triton_decode_attention import _combine_splits_kernel
+from ..interpreter import enable_interpreter_if_no_cuda
+from .flash_decoding import combine, partials
+from .q8_configs import Q8Config
 
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
@@ -42,57 +39,6 @@ import triton.language as tl  # noqa: E402
 
 FP16_MAGIC_BIAS = 1152.0  # int8 code c becomes the fp16 1024 + (c + 128)
 FP8_IN_FP16_UNIT = 256.0  # an e4m3 code's bits moved into fp16 are worth c / 2^(15 - 7)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Q8Config:
-    """How the 8-bit decode kernel converts codes and tiles the context."""
-    dequant: str        # "cast": codes.to(fp16); "magic": per code, int16 add; "packed": 4 codes per int32;
-    #                     "prmt": 4 codes per byte-permute pair (PTX; fp8: the hardware cvt);
-    #                     "legacy": the first kernel (codes.to(q.dtype), in triton_decode_attention.py);
-    #                     "gluon": codes straight into MMA registers (gluon_decode_attention_q8.py; one warp)
-    block_n: int        # keys per tile
-    num_warps: int
-    num_stages: int
-    max_registers: int | None = None   # ptxas's cap per thread (maxnreg): 128 fits 4 programs of 4 warps per SM
-
-    @property
-    def name(self) -> str:
-        cap = f"-r{self.max_registers}" if self.max_registers else ""
-        return f"{self.dequant}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}{cap}"
-
-
-_VARIANTS = [
-    Q8Config("legacy", 64, 4, 2),            # what BENCHMARKS.md measured: the same-run baseline
-    Q8Config("cast", 64, 4, 2), Q8Config("magic", 128, 4, 2),
-    Q8Config("packed", 64, 4, 2), Q8Config("packed", 128, 4, 2), Q8Config("packed", 128, 2, 2),
-    Q8Config("packed", 256, 8, 1),
-    Q8Config("prmt", 64, 4, 2), Q8Config("prmt", 64, 2, 2), Q8Config("prmt", 128, 4, 2),
-    Q8Config("prmt", 128, 4, 3), Q8Config("prmt", 128, 2, 2), Q8Config("prmt", 256, 8, 1),
-    Q8Config("prmt", 64, 4, 2, 128), Q8Config("prmt", 128, 4, 1, 128),  # 4 programs per SM
-    # one warp per program; num_stages is the number of tiles staged in shared memory
-    Q8Config("gluon", 16, 1, 2), Q8Config("gluon", 16, 1, 3), Q8Config("gluon", 16, 1, 4),
-    Q8Config("gluon", 16, 1, 2, 112), Q8Config("gluon", 32, 1, 2, 144), Q8Config("gluon", 32, 1, 3),
-    Q8Config("gluon", 64, 1, 3), Q8Config("gluon", 32, 1, 2),
-]
-Q8_CONFIGS = {config.name: config for config in _VARIANTS}
-# Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads):
-# the Gluon kernel at 32-token tiles (two blocks, a TMA copy each) and 2 stages, 2 splits,
-# 0.135 ms for int8 against 0.145 for 16-token tiles at their best (4 splits) and bf16's
-# 0.246 (BENCHMARKS.md, eighth session); this file's best, "prmt" at 128-key tiles,
-# 4 warps, 2 stages, took 0.231-0.249. Where Gluon does not run (the
-# interpreter, head sizes other than 128, GQA groups over 8) the default runs "prmt"
-# ("packed" in the interpreter).
-DEFAULT_Q8_CONFIG = "gluon-n32-w1-s2"
-GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, other head sizes)
-
-
-def q8_config(name: str | None = None) -> Q8Config:
-    """The named variant, else $LLMLAB_Q8_DECODE, else the default."""
-    name = name or os.environ.get("LLMLAB_Q8_DECODE") or DEFAULT_Q8_CONFIG
-    if name not in Q8_CONFIGS:
-        raise ValueError(f"unknown 8-bit decode config {name!r}; known: {sorted(Q8_CONFIGS)}")
-    return Q8_CONFIGS[name]
 
 
 @triton.jit
@@ -286,36 +232,10 @@ def _decode_attention_q8_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-def _partials(q, num_splits):
-    """The split outputs and log-sum-exps flash-decoding's reduce combines."""
-    num_seqs, num_heads, head_dim = q.shape
-    return (torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device),
-            torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device))
-
-
-def _combine(partial_out, partial_lse, out, num_splits):
-    """out = the splits' partial outputs weighed by their log-sum-exps (flash-decoding's reduce)."""
-    num_seqs, num_heads, head_dim = out.shape
-    _combine_splits_kernel[(num_seqs, num_heads)](
-        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **launch_options(out))
-
-
-def _run_gluon(gluon_q8, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales, config):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    partial_out, partial_lse = _partials(q, num_splits) if num_splits > 1 else (out, out)
-    gluon_q8.launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
-                    out, partial_out, partial_lse, block_n=config.block_n, stages=config.num_stages,
-                    max_registers=config.max_registers, use_pdl=use_pdl(q))
-    if num_splits > 1:
-        _combine(partial_out, partial_lse, out, num_splits)
-    return out
-
-
 def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
                         config: Q8Config):
-    """decode_attention from an int8/fp8 cache with the given config ("legacy" excluded).
-    Called by triton_decode_attention.decode_attention after its checks; num_splits >= 1."""
+    """decode_attention from an int8/fp8 cache with the given Triton config (not "legacy",
+    not "gluon"). Called by decode_attention.decode_attention after its checks; num_splits >= 1."""
     # q:            [num_seqs, num_heads, head_dim] fp32 | fp16 | bf16
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim] int8 | float8_e4m3fn codes
     # block_tables: [num_seqs, max_blocks_per_seq] int32 (contiguous); seq_lens: [num_seqs] (contiguous)
@@ -323,14 +243,7 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
     # returns out:  [num_seqs, num_heads, head_dim], q's dtype
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert config.dequant in ("cast", "magic", "packed", "prmt", "gluon"), config
-    if config.dequant == "gluon":
-        from . import gluon_decode_attention_q8 as gluon_q8
-
-        if gluon_q8.supported(q, k_cache, num_heads, num_kv_heads):
-            return _run_gluon(gluon_q8, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                              k_scales, v_scales, config)
-        config = Q8_CONFIGS[GLUON_FALLBACK]
+    assert config.dequant in ("cast", "magic", "packed", "prmt"), config
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     assert k_scales.stride(-1) == 1, "the Triton 8-bit kernel reads a slot's kv-head scales side by side"
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -349,7 +262,7 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     split = num_splits > 1
-    partial_out, partial_lse = _partials(q, num_splits) if split else (out, out)  # unused when SPLIT=False
+    partial_out, partial_lse = partials(q, num_splits) if split else (out, out)  # unused when SPLIT=False
     group = num_heads // num_kv_heads
     _decode_attention_q8_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
@@ -365,5 +278,5 @@ def decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_
         **({"maxnreg": config.max_registers} if config.max_registers and q.is_cuda else {}),
     )
     if split:
-        _combine(partial_out, partial_lse, out, num_splits)
+        combine(partial_out, partial_lse, out, num_splits)
     return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
-from .reference import QUANT_EPS, QUANT_MAX, check_scales
+from ..interpreter import enable_interpreter_if_no_cuda
+from ..reference import QUANT_EPS, QUANT_MAX, check_scales
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
@@ -35,7 +35,7 @@ def _write_slot(x, cache_ptr, scales_ptr, block, offset,
     """Write one token's rows x [BLOCK_H, HEAD_DIM] (one per kv head; rows past num_kv_heads
     are masked) at (block, offset) of a cache: for an int8/fp8 cache, their codes, and
     each row's scale at the same (block, offset) of the scales [num_blocks, block_size, Hkv].
-    Shared with the fused rope + store kernel (triton_rope_store_kv.py)."""
+    Shared with the fused rope + store kernel (triton/rope_store_kv.py)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     head_ok = offs_h < num_kv_heads

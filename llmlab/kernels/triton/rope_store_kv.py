@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda, reference
-from .reference import QUANT_EPS, QUANT_MAX, check_scales
+from .. import reference
+from ..interpreter import enable_interpreter_if_no_cuda
+from ..reference import QUANT_EPS, QUANT_MAX, check_scales
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
@@ -16,7 +17,7 @@ enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .triton_store_kv import _write_slot  # noqa: E402
+from .store_kv import _write_slot  # noqa: E402
 from .pdl import launch_options, wait_for_previous_grid  # noqa: E402
 
 

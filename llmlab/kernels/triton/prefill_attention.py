@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
-from .reference import check_scales
+from ..interpreter import enable_interpreter_if_no_cuda
+from ..reference import check_scales
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
+from ..interpreter import enable_interpreter_if_no_cuda
 
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
+from ..interpreter import enable_interpreter_if_no_cuda
 from .pdl import launch_options, wait_for_previous_grid
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a

@@ -1,4 +1,5 @@
-"""Paged decode attention in Triton: PagedAttention v1, and flash-decoding (v2).
+"""Paged decode attention in Triton from a full-precision cache: PagedAttention v1 and
+flash-decoding (v2); also the first ("legacy") 8-bit kernel.
 
 Each sequence has one new query token per head. v1 runs one program per (sequence,
 kv head): it streams that head's K/V tiles once through the block table and applies
@@ -19,14 +20,14 @@ import math
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
-from .reference import check_scales
+from ..interpreter import enable_interpreter_if_no_cuda
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from .flash_decoding import combine, partials  # noqa: E402
 from .pdl import launch_options, wait_for_previous_grid  # noqa: E402
 
 
@@ -201,44 +202,6 @@ def _decode_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, stride_os, stride_oh,
-                           num_heads, num_splits,
-                           HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """out = sum_i exp2(lse_i) * out_i / sum_i exp2(lse_i), for one (sequence, head)."""
-    wait_for_previous_grid(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < num_splits
-    row = (seq * num_heads + head).to(tl.int64) * num_splits + offs_s
-    lse = tl.load(partial_lse_ptr + row, mask=split_ok, other=float("-inf"))
-    partial = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=split_ok[:, None], other=0.0)
-    lse_max = tl.maximum(tl.max(lse, axis=0), -1.0e30)  # finite even if every split was empty
-    weight = tl.exp2(lse - lse_max)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * partial, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty))
-
-
-def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132, programs_per_sm=4, min_split_tokens=128):
-    """How many context ranges flash-decoding should use. Memory bandwidth needs about
-    four resident (sequence, kv head, split) programs per SM for a bf16 cache (measured on
-    an H200), so split until there are that many -- 1 (plain v1) when the batch alone
-    provides them -- but keep at least `min_split_tokens` per split (1 for short contexts;
-    128 = two 64-row KV tiles), so the partial results and the reduce stay small next to
-    the K/V reads. The 8-bit (Gluon, one-warp, 32-token tiles) kernel wants more programs
-    and longer ranges (programs_per_sm 8, min_split_tokens 512: at batch 64 it is 2 splits
-    at 4k, 0.139 ms against 0.187 with 4, and none at 512, 0.0244 ms against 0.0258 with 2)."""
-    num_programs = num_seqs * num_kv_heads
-    if num_programs == 0:
-        return 1
-    return max(1, min((programs_per_sm * num_sms) // num_programs, max_seq_len // min_split_tokens))
-
-
 def _launch_config(head_dim, dtype, device):
     """(BLOCK_N, num_warps, num_stages) for this problem."""
     if device.type != "cuda":
@@ -247,49 +210,24 @@ def _launch_config(head_dim, dtype, device):
     return 64, 4, 2
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=1,
-                     k_scales=None, v_scales=None, q8_variant=None, new_token=None):
-    """One query token per sequence attending to its seq_lens[i] cached tokens (v1, or
-    v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits), from a
-    full-precision or a quantized cache. See kernels_explained/decode_attention.md.
-    A quantized cache runs triton_decode_attention_q8 (q8_variant names its Q8Config;
-    None: $LLMLAB_Q8_DECODE or the default), or this file's kernel for "legacy-*".
+def decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scales, v_scales,
+                          new_token=None):
+    """This file's kernel, called by `decode_attention.decode_attention` after its checks
+    (num_splits >= 1; k/v_scales None for a full-precision cache, else the legacy 8-bit path).
     new_token: (k, v, positions, inv_freq, slot_mapping), full-precision caches only: q is not
     rotated yet and each sequence's last token is not in the cache; the kernel ropes q and k,
     stores k and v and attends to them from registers (rope_store_decode_attention)."""
     # q:            [num_seqs, num_heads, head_dim]
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
-    # block_tables: [num_seqs, max_blocks_per_seq] int32
-    # seq_lens:     [num_seqs] int
-    # k/v_scales:   [num_blocks, block_size, num_kv_heads] float32, quantized caches only
+    # block_tables: [num_seqs, max_blocks_per_seq] int32, contiguous; seq_lens: [num_seqs], contiguous
+    # k/v_scales:   [num_blocks, block_size, num_kv_heads] float32, or None
     # returns out:  [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    quantized = check_scales(k_cache, v_cache, k_scales, v_scales)
-    assert v_cache.dtype == k_cache.dtype and (quantized or k_cache.dtype == q.dtype)
-    if quantized:
-        assert k_scales.stride() == v_scales.stride()   # any head stride for the Gluon kernel; 1 for Triton's
-    else:
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    quantized = k_scales is not None
+    if not quantized:
         k_scales = v_scales = k_cache  # not read: QUANTIZED=False compiles the plain kernel
-    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
-    assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, f"head_dim {head_dim} must be a power of two >= 16"
-    assert (block_size & (block_size - 1)) == 0, f"block_size {block_size} must be a power of two"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
-    assert seq_lens.shape == (num_seqs,)
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if num_seqs == 0:
-        return out
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    assert scale > 0, "the kernel takes the running max before scaling, which needs scale > 0"
-    if not num_splits:  # 0 or None: choose (costs a host sync to read the longest context)
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, int(seq_lens.max()), num_sms)
-    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
     if new_token is None:   # the ROPE=False kernel does not read these
         k_new = v_new = positions = inv_freq = slot_mapping = seq_lens
         new_strides = (0, 0, 0, 0)
@@ -297,22 +235,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         assert not quantized, "the fused rope + store path takes full-precision caches"
         k_new, v_new, positions, inv_freq, slot_mapping = new_token
         new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
-    if quantized:
-        from .triton_decode_attention_q8 import decode_attention_q8, q8_config  # it imports this module
-
-        config = q8_config(q8_variant)
-        if config.dequant != "legacy":
-            return decode_attention_q8(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                                       k_scales, v_scales, config)
     assert not quantized or k_scales.stride(-1) == 1, "this kernel reads a slot's kv-head scales side by side"
     group = num_heads // num_kv_heads
     block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
     split = num_splits > 1
-    if split:
-        partial_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        partial_out = partial_lse = out  # unused when SPLIT=False
+    partial_out, partial_lse = partials(q, num_splits) if split else (out, out)  # unused when SPLIT=False
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
         k_new, v_new, positions, inv_freq, slot_mapping,
@@ -330,9 +257,5 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         **launch_options(q),
     )
     if split:
-        _combine_splits_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
-            **launch_options(out),
-        )
+        combine(partial_out, partial_lse, out, num_splits)
     return out

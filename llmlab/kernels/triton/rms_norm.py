@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
+from ..interpreter import enable_interpreter_if_no_cuda
 from .pdl import launch_options, wait_for_previous_grid
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
@@ -21,7 +21,7 @@ def _rms_norm_kernel(
     hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden_size; the tail is masked
-    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pdl.py)
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (triton/pdl.py)
 ):
     wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)

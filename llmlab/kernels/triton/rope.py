@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda, reference
+from .. import reference
+from ..interpreter import enable_interpreter_if_no_cuda
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).

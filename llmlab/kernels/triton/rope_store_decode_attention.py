@@ -1,5 +1,5 @@
 """A decode step's rope, KV store and attention as one launch: the decode-attention kernel
-(triton_decode_attention.py) with ROPE on. Each (sequence, kv head) program ropes its group's
+(triton/decode_attention_bf16.py) with ROPE on. Each (sequence, kv head) program ropes its group's
 queries in registers; the program whose context range holds the sequence's newest token
 ropes that token's key, stores key and value into the token's cache slot, and folds them
 into its softmax from registers instead of reading them back. The step launches one kernel
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda, reference
-from .reference import check_scales
+from .. import reference
+from ..interpreter import enable_interpreter_if_no_cuda
+from ..reference import check_scales
 
 enable_interpreter_if_no_cuda()   # before Triton is imported, as in every kernel module
-from .triton_decode_attention import decode_attention  # noqa: E402
-from .triton_rope_store_kv import rope_store_kv  # noqa: E402
+from .decode_attention import decode_attention  # noqa: E402
+from .rope_store_kv import rope_store_kv  # noqa: E402
 
 
 def rope_store_decode_attention(q, k, v, positions, theta, scaling, k_cache, v_cache, slot_mapping,

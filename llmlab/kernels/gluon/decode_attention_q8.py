@@ -2,7 +2,7 @@
 global memory, through a shared-memory stage, into a tensor-core operand register with no
 re-layout on the way.
 
-Why not plain Triton (triton_decode_attention_q8.py): Triton picks the register layout of
+Why not plain Triton (triton/decode_attention_q8.py): Triton picks the register layout of
 a loaded tile itself, so codes loaded and then converted must be re-laid out into the
 MMA's operand layout through shared memory -- the converted (twice as wide) tile written
 and read back for every byte fetched. That traffic, not DRAM, set the 8-bit kernel's speed
@@ -54,7 +54,7 @@ import functools
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
+from ..interpreter import enable_interpreter_if_no_cuda
 
 enable_interpreter_if_no_cuda()   # before Triton is imported, as in every kernel module
 

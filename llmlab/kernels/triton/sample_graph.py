@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import triton_sample as ts
+from . import sample_passes as ts
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A decode step of 64 sequences still reads every weight once per step and does little with
 it (64 FLOPs per weight element): it is bound by the weights' bytes like the batch-1 GEMV
-(triton_gemv.py), but 64 rows are enough to use the tensor cores. Each program computes a
+(dense/gemv.py), but 64 rows are enough to use the tensor cores. Each program computes a
 [BLOCK_M, BLOCK_N] tile of y (BLOCK_M: the rows, padded to a power of two >= 16, so every
 program holds all of x's rows) over the whole of K, `tl.dot` by `tl.dot`, with the next
 slices' loads in flight (num_stages). What decides the speed is the tile count: one tile
@@ -17,16 +17,16 @@ counter; the last one sums the partials 0..SPLIT_K-1 and resets the counter. No 
 touch y, so the bits do not depend on which program finishes first.
 
 It exists for the same reason as the GEMV: cuBLAS's kernels for these shapes are not
-launched with programmatic dependent launch (pdl.py), so each one is a full stop in a
+launched with programmatic dependent launch (triton/pdl.py), so each one is a full stop in a
 decode step of Triton kernels. See kernels_explained/gemv.md.
 """
 from __future__ import annotations
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
-from .pdl import launch_options, prefetch_lines, prefetch_weight_rows, wait_for_previous_grid
-from .triton_gemv import GemvConfig
+from ..interpreter import enable_interpreter_if_no_cuda
+from ..triton.pdl import launch_options, prefetch_lines, prefetch_weight_rows, wait_for_previous_grid
+from .gemv import GemvConfig
 
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
@@ -151,7 +151,7 @@ def _swiglu_gemm_kernel(x_ptr, w_ptr, h_ptr, M, I, K, stride_xm, stride_wn, stri
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    # The roundings of gate_up's output and of triton_silu_mul, in their order.
+    # The roundings of gate_up's output and of triton/silu_mul, in their order.
     dtype = h_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)

@@ -18,7 +18,7 @@ Rows without top-k (the usual chat settings) are drawn by rejection rounds:
    A row is accepted at the first check with probability of about the kept mass (0.9 for
    top_p 0.9), so two or three passes settle nearly every row.
 Rows with top-k, and rows that the rounds leave unsettled, take the radix-select passes of
-`triton_sample_radix.py` (cuts found on the logits' bits). Same tokens as `reference.sample`
+`sample_radix.py` (cuts found on the logits' bits). Same tokens as `reference.sample`
 up to float rounding in the sums.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import GUMBEL_SPAN
-from .triton_sample_radix import (_gumbel, _key, _level_kernel, _race_kernel, _row_key, _row_stats,
+from ..reference import GUMBEL_SPAN
+from .sample_radix import (_gumbel, _key, _level_kernel, _race_kernel, _row_key, _row_stats,
                                   _top_k_mass_kernel)
 
 # Tunable for measurements (llmlab bench sampler) through the environment. The radix passes'
@@ -39,34 +39,7 @@ BLOCK = int(os.environ.get("LLMLAB_SAMPLE_BLOCK", 512))
 NUM_WARPS = int(os.environ.get("LLMLAB_SAMPLE_WARPS", 8))
 TARGET_PROGRAMS = int(os.environ.get("LLMLAB_SAMPLE_PROGRAMS", 512))   # chunks per row = this / rows
 ROUNDS = int(os.environ.get("LLMLAB_SAMPLE_ROUNDS", 3))   # rejection checks before the radix fallback
-GRAPHS = os.environ.get("LLMLAB_SAMPLE_GRAPHS", "1") != "0"   # on a GPU, replay the launches as a graph
 MAX_CHUNKS = 128            # chunk partials a program reads: one fixed size, one compiled variant
-_workspace: dict = {}       # device -> a byte buffer the per-call scratch tensors are cut from
-_views: dict = {}           # (device, layout) -> the views of that buffer
-
-
-def _scratch(device, shapes_dtypes):
-    """Views of one cached buffer (no allocations per call), each 256-byte aligned."""
-    cache_key = (device, tuple(shapes_dtypes))
-    views = _views.get(cache_key)
-    if views is not None and views[0] is _workspace.get(device):
-        return views[1]
-    sizes = [(-(-torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() // 256)) * 256
-             for shape, dtype in shapes_dtypes]
-    buffer = _workspace.get(device)
-    if buffer is None or buffer.numel() < sum(sizes):
-        buffer = _workspace[device] = torch.empty(max(sum(sizes), 1 << 20), dtype=torch.uint8, device=device)
-    views, offset = [], 0
-    for (shape, dtype), size in zip(shapes_dtypes, sizes):
-        count = torch.Size(shape).numel()
-        views.append(buffer[offset:offset + size].view(dtype)[:count].view(shape))
-        offset += size
-    if len(_views) > 1024:
-        _views.clear()
-    _views[cache_key] = (buffer, views)
-    return views
-
-
 @triton.jit
 def _no_top_k(top_k, V):
     return (top_k <= 0) | (top_k >= V)
@@ -229,27 +202,6 @@ def scratch_shapes(S, P, levels, rounds):
     return [((S, P, 2), f32), ((rounds + 1, S, P), f32), ((rounds + 1, S, P), i32), ((S, P), f32), ((3, S), i64),
             ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32), ((S, P), f32),
             ((S, P), f32), ((S, P), i32)]
-
-
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
-    """Same contract as reference.sample. The parameter tensors may be on the host (the
-    Sampler builds them there): then passes no row needs are not launched at all, and on a
-    GPU the launches replay as one CUDA graph (`triton_sample_graph.py`)."""
-    S, V = logits.shape
-    if S == 0:
-        return logits.argmax(dim=-1)
-    flags = row_flags(temperature, top_k, top_p, min_p, V)
-    if logits.is_cuda and not top_k.is_cuda and GRAPHS and not torch.cuda.is_current_stream_capturing():
-        from .triton_sample_graph import graphed_sample
-        return graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, positions)
-    if logits.stride(-1) != 1 or logits.stride(0) % 8 or logits.storage_offset():
-        logits = logits.contiguous().clone()   # own aligned storage: no new kernel variant
-    floats, ints = pack(temperature, top_k, top_p, min_p, seeds, positions)
-    if floats.device != logits.device:
-        floats, ints = (t.pin_memory().to(logits.device, non_blocking=True) for t in (floats, ints))
-    P, CH, levels = layout(S, V, logits.dtype)
-    rounds = max(ROUNDS, 1) if flags[2] else 1
-    return launch(logits, floats, ints, flags, _scratch(logits.device, scratch_shapes(S, P, levels, rounds)))
 
 
 def launch(logits, floats, ints, flags, scratch):

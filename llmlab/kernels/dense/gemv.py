@@ -19,8 +19,8 @@ import re
 
 import torch
 
-from . import enable_interpreter_if_no_cuda
-from .pdl import launch_options, wait_for_previous_grid
+from ..interpreter import enable_interpreter_if_no_cuda
+from ..triton.pdl import launch_options, wait_for_previous_grid
 
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
