@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlab import kernels
-from llmlab.kernels.reference import filter_logits
 
 
 @dataclass
@@ -79,7 +78,7 @@ class Sampler:
     kernel call on the logits' device (`kernels.sample`; kernels_explained/sampling.md).
 
     Greedy rows take the argmax. Other rows are scaled by 1/temperature, cut by top-k,
-    top-p and min-p (`kernels.reference.filter_logits`), and drawn by the Gumbel-max trick
+    top-p and min-p (`kernels.filter_logits`, the spec's), and drawn by the Gumbel-max trick
     with counter-based noise: the noise for token t is a hash of (the request's seed, the
     output position, t). So a seeded request gives the same text alone or in any batch,
     with no per-request generator, and the host sends only a few numbers per row.
@@ -133,7 +132,7 @@ class Sampler:
         top_k = torch.tensor([_top_k(p.top_k, logits.shape[-1]) for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-        x = filter_logits(logits.float() * (1.0 / temperature)[:, None], top_k, top_p, min_p)
+        x = kernels.filter_logits(logits.float() * (1.0 / temperature)[:, None], top_k, top_p, min_p)
         probs = x.softmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()

@@ -1,11 +1,12 @@
-"""`dense.linear` (oneDNN with packed weights on a CPU) computes what F.linear computes."""
+"""The CPU's `linear` (kernels/dense/onednn.py: oneDNN with packed weights) computes what F.linear computes."""
 import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlab.model import dense
+from llmlab.kernels.tuning import knobs
+from llmlab.kernels.dense import onednn as dense
 
 # oneDNN sums in another order than MKL: a few float32 ulps of outputs of order 1;
 # bfloat16 outputs are rounded once to 8 significant bits (2^-8 relative).
@@ -55,7 +56,7 @@ def test_onednn_is_used_on_this_cpu():
 def test_one_row_library_is_read_from_the_environment_and_both_agree(monkeypatch, library):
     """LLMLAB_CPU_ONE_ROW decides without timing; either library's one-row product is F.linear's."""
     monkeypatch.setattr(dense, "_one_row", None)
-    monkeypatch.setenv("LLMLAB_CPU_ONE_ROW", library)
+    monkeypatch.setattr(knobs, "cpu_one_row", library)   # LLMLAB_CPU_ONE_ROW
     monkeypatch.setattr(dense, "_time_one_row", lambda: pytest.fail("timed although the environment decides"))
     assert dense.one_row_library() == library
     gen = torch.Generator().manual_seed(2)
@@ -66,7 +67,7 @@ def test_one_row_library_is_read_from_the_environment_and_both_agree(monkeypatch
 
 def test_one_row_library_is_timed_once(monkeypatch):
     monkeypatch.setattr(dense, "_one_row", None)
-    monkeypatch.delenv("LLMLAB_CPU_ONE_ROW", raising=False)
+    monkeypatch.setattr(knobs, "cpu_one_row", None)
     calls = []
     monkeypatch.setattr(dense, "_time_one_row", lambda: calls.append(1) or "onednn")
     assert dense.one_row_library() == "onednn" and dense.one_row_library() == "onednn"

@@ -1,9 +1,11 @@
 """The Triton GEMV (kernels/dense/gemv.py) against F.linear: one row times a weight, shapes
-whose N and K are not multiples of the tiles, every variant; on a GPU, dense.linear sends
+whose N and K are not multiples of the tiles, every variant; on a GPU, kernels.linear sends
 one-row products to it and the model's outputs do not change."""
 import pytest
 import torch
 import torch.nn.functional as F
+
+from llmlab import kernels
 
 from llmlab.kernels.dense.gemv import GEMV_CONFIGS, config_for, gemv
 
@@ -38,10 +40,11 @@ def test_gemv_rejects_more_than_one_row():
 
 @pytest.mark.gpu
 def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
-    """On a GPU, dense.linear sends 1 row to the GEMV and 33-64 rows to the skinny GEMM (bf16,
-    programmatic dependent launch on Hopper), other row counts to cuBLAS; all agree with it."""
+    """On a GPU, the Triton backend's linear sends 1 row to the GEMV and 33-64 rows to the skinny
+    GEMM (bf16, programmatic dependent launch on Hopper), other row counts to cuBLAS; all agree
+    with it."""
+    from llmlab import kernels
     from llmlab.kernels.dense import gemv as triton_gemv, skinny_gemm as triton_skinny_gemm
-    from llmlab.model import dense
 
     calls = []
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, _f=triton_gemv.gemv: calls.append("gemv") or _f(*a))
@@ -53,7 +56,7 @@ def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
         for rows, path in ((1, "gemv"), (7, None), (32, None), (33, "skinny"), (64, "skinny"), (65, None)):
             x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
             calls.clear()
-            got = dense.linear(x, weight)
+            got = kernels.linear(x, weight, backend="triton")
             assert calls == ([path] if path else []), (n, k, rows)
             torch.testing.assert_close(got.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-3)
 
@@ -96,15 +99,14 @@ def test_swiglu_gemm_is_silu_mul_of_the_product():
 
 @pytest.mark.gpu
 def test_gpu_swiglu_gemm_routing_and_agreement(monkeypatch):
-    """dense.swiglu with LLMLAB_SWIGLU_GEMM on: 33-64 bf16 rows take the fused kernel and agree
+    """kernels.swiglu with LLMLAB_SWIGLU_GEMM on: 33-64 bf16 rows take the fused kernel and agree
     with silu_mul after the skinny GEMM; other row counts, the torch backend and a student's
     silu_mul override take the pair."""
     from llmlab import kernels
     from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
     from llmlab.kernels.triton import silu_mul as triton_silu_mul
-    from llmlab.model import dense
 
-    monkeypatch.setattr(dense, "SWIGLU_GEMM", True)
+    monkeypatch.setattr(kernels.knobs, "swiglu_gemm", True)
     fused = []
     monkeypatch.setattr(triton_skinny_gemm, "swiglu_gemm",
                         lambda *a, _f=triton_skinny_gemm.swiglu_gemm: fused.append(1) or _f(*a))
@@ -113,14 +115,14 @@ def test_gpu_swiglu_gemm_routing_and_agreement(monkeypatch):
     for rows in (33, 64, 16):
         x = torch.randn(rows, 4096, generator=gen, device="cuda").bfloat16()
         fused.clear()
-        got = dense.swiglu(x, gate_up, "triton")
+        got = kernels.swiglu(x, gate_up, backend="triton")
         assert len(fused) == (1 if rows > 32 else 0), rows
-        pair = triton_silu_mul.silu_mul(dense.linear(x, gate_up))
+        pair = triton_silu_mul.silu_mul(kernels.linear(x, gate_up, backend="triton"))
         torch.testing.assert_close(got.float(), pair.float(), rtol=2e-2, atol=2e-3)
         fused.clear()
-        dense.swiglu(x, gate_up, "torch")
+        kernels.swiglu(x, gate_up, backend="torch")
         with kernels.override(silu_mul=triton_silu_mul.silu_mul):
-            dense.swiglu(x, gate_up, "triton")
+            kernels.swiglu(x, gate_up, backend="triton")
         assert not fused
 
 
@@ -236,7 +238,7 @@ def test_prefetch_lines(monkeypatch):
     assert [pdl.prefetch_lines(x, rows, 8192) for rows in (32, 64, 128)] == [8, 4, 2]
     assert pdl.prefetch_lines(x, 32, 384) == 2           # a row of 3 lines: 2, a power of two
     assert pdl.prefetch_lines(x, 256, 8192) == 1
-    monkeypatch.setattr(pdl, "PREFETCH_KB_PER_PROGRAM", 64)   # LLMLAB_PREFETCH=64
+    monkeypatch.setattr(kernels.knobs, "prefetch_kb", 64)   # LLMLAB_PREFETCH=64
     assert pdl.prefetch_lines(x, 32, 8192) == 16
-    monkeypatch.setattr(pdl, "PREFETCH_KB_PER_PROGRAM", 0)    # LLMLAB_PREFETCH=0
+    monkeypatch.setattr(kernels.knobs, "prefetch_kb", 0)    # LLMLAB_PREFETCH=0
     assert pdl.prefetch_lines(x, 32, 8192) == 0

@@ -464,9 +464,9 @@ def test_quantized_decode_attention_queries_beyond_fp16s_half_range(variant):
 def test_q8_config_by_name_and_environment(monkeypatch):
     from llmlab.kernels.triton.q8_configs import DEFAULT_Q8_CONFIG, Q8_CONFIGS, q8_config
 
-    monkeypatch.delenv("LLMLAB_Q8_DECODE", raising=False)
+    monkeypatch.setattr(kernels.knobs, "q8_decode", None)
     assert q8_config() == Q8_CONFIGS[DEFAULT_Q8_CONFIG]
-    monkeypatch.setenv("LLMLAB_Q8_DECODE", "cast-n64-w4-s2")
+    monkeypatch.setattr(kernels.knobs, "q8_decode", "cast-n64-w4-s2")   # LLMLAB_Q8_DECODE=cast-n64-w4-s2
     assert q8_config().name == "cast-n64-w4-s2"
     assert q8_config("magic-n128-w4-s2").dequant == "magic"   # an explicit name wins
     with pytest.raises(ValueError, match="unknown 8-bit decode config"):

@@ -123,7 +123,7 @@ def rejection_batch(seed, num_rows=16, vocab=2000):
 
 
 def triton_sample_module():
-    """The Triton sampler's passes (ROUNDS, the radix kernels)."""
+    """The Triton sampler's passes (the radix kernels)."""
     kernels.get_kernel("sample", "triton")      # imports it the way the engine does (interpreter on a CPU)
     import llmlab.kernels.triton.sample_passes
     return llmlab.kernels.triton.sample_passes
@@ -134,7 +134,7 @@ def test_triton_rejection_rounds_and_the_radix_fallback_agree(rounds, monkeypatc
     """However many rejection checks run before the radix passes take over (0: radix only),
     every row gets the reference's token."""
     triton_sample = triton_sample_module()
-    monkeypatch.setattr(triton_sample, "ROUNDS", rounds)
+    monkeypatch.setattr(kernels.knobs, "sample_rounds", rounds)
     args = rejection_batch(seed=rounds)
     assert torch.equal(kernels.sample(*args, backend="triton"), reference.sample(*args))
 
@@ -148,7 +148,7 @@ def test_triton_rejection_rounds_settle_rows_on_their_own(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(triton_sample, "ROUNDS", 12)
+    monkeypatch.setattr(kernels.knobs, "sample_rounds", 12)
     for name in ("_level_kernel", "_top_k_mass_kernel", "_race_kernel"):
         monkeypatch.setattr(triton_sample, name, Broken())
     logits, temperature, top_k, top_p, min_p, seeds, positions = rejection_batch(seed=9)
@@ -263,16 +263,15 @@ def test_gpu_graphed_sampler_matches_its_launches(monkeypatch):
     same tokens as launching them one by one, across batch sizes that share a bucket, grow
     the static logits buffer, and change the passes (top-k rows or none)."""
     triton_sample_module()
-    import llmlab.kernels.triton.sample as triton_sample   # its entry decides on graphs
     cases = [(1, 0), (3, 1), (4, 2), (17, 3), (64, 4), (300, 5), (20, 6), (64, 7)]
     for num_rows, seed in cases:
         logits, *params = random_batch(num_rows, 128256, seed=seed)
         if seed % 2:
             params[1][:] = -1                      # no top-k rows: rejection rounds only
         logits = logits.cuda().bfloat16()
-        monkeypatch.setattr(triton_sample, "GRAPHS", True)
+        monkeypatch.setattr(kernels.knobs, "sample_graphs", True)
         graphed = kernels.sample(logits, *params, backend="triton")
-        monkeypatch.setattr(triton_sample, "GRAPHS", False)
+        monkeypatch.setattr(kernels.knobs, "sample_graphs", False)
         assert torch.equal(graphed, kernels.sample(logits, *params, backend="triton")), num_rows
 
 

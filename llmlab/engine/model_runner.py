@@ -3,7 +3,7 @@
 At start-up, in this order:
   load        the model folder (or the LlamaModel given), the tokenizer beside it
   distribute  tensor parallelism: the model cut into shards, one per rank (parallel/executor.py)
-  prepack     on a CPU, each weight in oneDNN's blocked layout (dense.py, host_memory.py)
+  prepack     on a CPU, each weight in oneDNN's blocked layout (kernels.prepack, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
   graphs      CUDA graphs of decode steps, one per (batch size, splits) a step can ask for
@@ -27,7 +27,7 @@ from llmlab.engine import batch as batches
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
 from llmlab.engine.warm_up import graph_keys, warm_up_plans
-from llmlab.model import dense
+from llmlab import kernels
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.tokenizer import Tokenizer
 from llmlab.scheduler import Plan
@@ -88,7 +88,7 @@ class ModelRunner:
             self.executor = ParallelExecutor(config, model.config)   # starts the workers
             model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
         if self.device.type == "cpu":
-            dense.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
+            kernels.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
             keep_freed_memory()               # no page faults for every large temporary
         self.model = model
         self.model_config: ModelConfig = model.config
@@ -169,16 +169,10 @@ class ModelRunner:
             self.executor.swap(swap_out_copies, swap_in_copies)
 
     def num_splits(self, num_seqs: int, max_seq_len: int) -> int:
-        """Flash-decoding splits for the Triton decode kernel (1 = PagedAttention v1), rounded
-        down to a power of two so that few CUDA graphs cover every context length."""
-        if self.num_sms is None:
-            return 1
-        from llmlab.kernels.triton.decode_attention import choose_num_splits
-
-        quantized = self.config.kv_cache_dtype != "auto"
-        splits = choose_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms,
-                                   programs_per_sm=8 if quantized else 4, min_split_tokens=512 if quantized else 128)
-        return 1 << (splits.bit_length() - 1)
+        """Flash-decoding splits of a decode step (1 = PagedAttention v1): the contract's
+        `kernels.decode_num_splits`, for this GPU's SMs and this cache."""
+        return kernels.decode_num_splits(num_seqs, self.model_config.num_kv_heads, max_seq_len, self.num_sms,
+                                         quantized=self.config.kv_cache_dtype != "auto")
 
     def prepare(self, plan: Plan):
         """input_ids [T], positions [T] and the ForwardBatch of any plan (batches.prepare), in

@@ -47,14 +47,14 @@ class DenseProfile:
 
     @classmethod
     def measure(cls, model, max_tokens: int, max_sequences: int, repeats: int = 5) -> "DenseProfile":
-        """Time `model`'s own weights (a LlamaModel) through `dense.linear`, as its forward
+        """Time `model`'s own weights (a LlamaModel) through `kernels.linear`, as its forward
         calls them, at every row count up to DENSE_ROWS and about 1.5x apart above, up to
         `max_tokens` (layers) and `max_sequences` (vocab projection). The median of `repeats`
         passes; a pass reads every layer's weights once, so they stream from memory as in a step
         (the inputs are random: a matrix product's time does not depend on the values)."""
         import torch
 
-        from llmlab.model.dense import linear
+        from llmlab.kernels import linear
 
         c = model.config
         device, dtype = model.layers[0].qkv.device, model.layers[0].qkv.dtype

@@ -32,8 +32,9 @@ import torch
 
 from . import reference, torch_backend
 from .interpreter import enable_interpreter_if_no_cuda  # noqa: F401  (public: kernels.enable_interpreter_if_no_cuda)
+from .tuning import knobs  # noqa: F401  (the fast path's switches, one table: tuning.py)
 
-KERNEL_NAMES = ("rms_norm", "rope", "silu_mul", "store_kv", "rope_store_kv", "prefill_attention",
+KERNEL_NAMES = ("linear", "rms_norm", "rope", "silu_mul", "store_kv", "rope_store_kv", "prefill_attention",
                 "decode_attention", "rope_store_decode_attention", "sample")
 BACKENDS = ("reference", "torch", "triton")
 
@@ -59,11 +60,15 @@ def set_backend(name: str | None) -> None:
     _default_backend = name
 
 
+def _triton_module(name):
+    """kernels/triton/<name>.py, imported on first use (after the interpreter switch)."""
+    enable_interpreter_if_no_cuda()
+    return importlib.import_module(f"{__name__}.triton.{name}")
+
+
 def _triton_impl(name):
     if name not in _triton_impls:
-        enable_interpreter_if_no_cuda()
-        module = importlib.import_module(f"{__name__}.triton.{name}")
-        _triton_impls[name] = getattr(module, name)
+        _triton_impls[name] = getattr(_triton_module(name), name)
     return _triton_impls[name]
 
 
@@ -135,6 +140,53 @@ def _call(name, backend, *args, **kwargs):
     result = fn(*args, **kwargs)
     _timings[name] = _timings.get(name, 0.0) + time.perf_counter() - start
     return result
+
+
+def linear(x, weight, bias=None, *, backend=None):
+    return _call("linear", backend, x, weight, bias)
+
+
+def swiglu(x, gate_up, *, backend=None):
+    """silu_mul(linear(x, gate_up)): the first half of the MLP, gate_up = [gate; up] rows.
+    The Triton backend runs it as one kernel where it can (LLMLAB_SWIGLU_GEMM=1, 33-64 rows
+    on a GPU), unless linear or silu_mul is overridden."""
+    if (backend or default_backend()) == "triton" and "linear" not in _overrides and "silu_mul" not in _overrides:
+        fused = _triton_module("linear").swiglu(x, gate_up)
+        if fused is not None:
+            return fused
+    return silu_mul(linear(x, gate_up, backend=backend), backend=backend)
+
+
+def prepack(weights) -> None:
+    """Give each CPU weight its oneDNN blocked layout now (the runner does this at load time)
+    rather than on its first product (kernels/dense/onednn.py)."""
+    from .dense import onednn
+
+    onednn.prepack(weights)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None,
+                      quantized: bool = False) -> int:
+    """How many flash-decoding splits a decode step of `num_seqs` sequences (the longest
+    `max_seq_len` tokens) runs with: 1 (PagedAttention v1) unless the Triton kernels run on a
+    GPU of `num_sms` SMs (None: not), else `choose_num_splits` (kernels/triton/flash_decoding.py)
+    rounded down to a power of two, so that few CUDA graphs cover every context length. The
+    one place the split count is decided: the runner's steps, the warm-up's plans and its
+    CUDA graphs all ask here; the model runs its fused decode path only at 1."""
+    if num_sms is None:
+        return 1
+    from .triton.flash_decoding import choose_num_splits
+
+    # the 8-bit (Gluon) kernel wants more programs per SM and longer ranges (flash_decoding.py)
+    splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms,
+                               programs_per_sm=8 if quantized else 4, min_split_tokens=512 if quantized else 128)
+    return 1 << (splits.bit_length() - 1)
+
+
+def filter_logits(x, top_k, top_p, min_p):
+    """The sampling filters (top-k, top-p, min-p) on scaled logits: the spec's
+    (`reference.filter_logits`), which `Sampler.probabilities` shows."""
+    return reference.filter_logits(x, top_k, top_p, min_p)
 
 
 def rms_norm(x, weight, eps, residual=None, *, backend=None):

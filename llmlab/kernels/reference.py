@@ -22,6 +22,12 @@ import torch
 import torch.nn.functional as F
 
 
+def linear(x, weight, bias=None):
+    """y = x weight^T + bias: every matrix product of the model (qkv, o_proj, gate_up, down,
+    lm_head). x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x, weight, eps, residual=None):
     """out = x / sqrt(mean(x^2) + eps) * weight, over the last dim.
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .reference import rms_norm, rope_inv_freq, scaling_key, silu_mul  # noqa: F401  (already lean)
 from . import reference
+from .dense.onednn import linear  # noqa: F401  (oneDNN with packed weights on a CPU, F.linear elsewhere)
 
 # What the 30 layers of one forward would each recompute from the same inputs (rope's
 # cos/sin from `positions`; decode's gather indices and mask from the block tables and

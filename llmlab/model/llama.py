@@ -11,7 +11,7 @@ as one kernel, `rope_store_decode_attention`)
 
 built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton: the
 batch's `backend`, chosen by the engine's runner) or a single kernel changes what runs
-here; the matrix products go through `dense.linear`. Logits are computed only for the
+here; the matrix products go through `kernels.linear` too. Logits are computed only for the
 last token of each sequence that samples (`batch.logits_indices`).
 
 Hook points: inside `with model.capture() as taps:` every forward records the tensors
@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from llmlab import kernels
 from llmlab.config import ModelConfig
-from llmlab.model.dense import linear, swiglu
 
 # Logits leave the model in float32, whatever the weights' dtype: the sampler's softmax and
 # top-p cut read them, and the engine warms the sampler up on this dtype.
@@ -113,7 +112,7 @@ class LlamaModel:
         else:
             last, _ = kernels.rms_norm(hidden[idx], self.norm, eps, residual[idx], backend=batch.backend)
         self._tap("norm", last)
-        logits = self.logits(last).to(LOGITS_DTYPE)
+        logits = self.logits(last, batch.backend).to(LOGITS_DTYPE)
         self._tap("logits", logits)
         return logits
 
@@ -123,15 +122,16 @@ class LlamaModel:
         return F.embedding(input_ids, self.embed)
 
     def mlp(self, layer: LayerWeights, x, backend=None) -> torch.Tensor:
-        return linear(swiglu(x, layer.gate_up, backend), layer.down)   # silu_mul(linear(x, gate_up)) first
+        # silu_mul(linear(x, gate_up)) first
+        return kernels.linear(kernels.swiglu(x, layer.gate_up, backend=backend), layer.down, backend=backend)
 
-    def logits(self, last) -> torch.Tensor:
-        return linear(last, self.lm_head)
+    def logits(self, last, backend=None) -> torch.Tensor:
+        return kernels.linear(last, self.lm_head, backend=backend)
 
     def attention(self, i, layer, x, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qkv = kernels.linear(x, layer.qkv, layer.qkv_bias, backend=batch.backend)
         out = self.attend(i, qkv, positions, batch, k_cache, v_cache, k_scales, v_scales)
-        return linear(out, layer.o_proj)
+        return kernels.linear(out, layer.o_proj, backend=batch.backend)
 
     def attend(self, i, qkv, positions, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
         """From the qkv projection [T, (H + 2 Hkv) D] to the attention output [T, H D] that
@@ -253,7 +253,7 @@ class LlamaModel:
         return cls(config, embed, layers, rand(h, mean=1.0), lm_head)
 
     def matrices(self) -> list[torch.Tensor]:
-        """The weights that go through `dense.linear`, in forward order."""
+        """The weights that go through `kernels.linear`, in forward order."""
         # a pipeline stage without the last layers has no lm_head (None)
         return [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + (
             [] if self.lm_head is None else [self.lm_head])

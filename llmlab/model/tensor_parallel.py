@@ -185,5 +185,5 @@ class TensorParallelShard(LlamaModel):
     def mlp(self, layer, x, backend=None):
         return self.tp_group.all_reduce(super().mlp(layer, x, backend))       # row-parallel down
 
-    def logits(self, last):
-        return self.tp_group.gather_logits(super().logits(last))     # vocab-parallel lm_head
+    def logits(self, last, backend=None):
+        return self.tp_group.gather_logits(super().logits(last, backend))     # vocab-parallel lm_head

@@ -26,7 +26,7 @@ from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.parallel.pipeline import micro_batches, run_stage
 from llmlab.engine.parallel.placement import RankLayout, distribute_weights, join_groups, local_config
 from llmlab.engine.parallel.cuda_graphs import LocalForward
-from llmlab.model import dense
+from llmlab import kernels
 from llmlab.model.tensor_parallel import TensorParallelGroup, TensorParallelShard, model_from_weights
 
 # longest any rank may wait inside one collective of a step or of the start-up; between
@@ -65,7 +65,7 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
         model.tp_group = TensorParallelGroup(layout.tp_rank, layout.tp, model_config.vocab_size,
                                              groups.tensor_parallel)
         if device.type == "cpu":               # as the ModelRunner does for rank 0's part
-            dense.prepack(model.matrices())
+            kernels.prepack(model.matrices())
             keep_freed_memory()
         pipe.send(("ready",))
         dtype, kv_cache, graphs, steps_run = config.resolved_dtype(), None, None, 0

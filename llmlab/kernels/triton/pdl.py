@@ -19,11 +19,11 @@ for (0: none)."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ..interpreter import enable_interpreter_if_no_cuda
+from ..tuning import knobs
 
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
@@ -32,13 +32,13 @@ import triton.language as tl  # noqa: E402
 
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("LLMLAB_PDL", "1") != "0"
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_pdl(tensor: torch.Tensor) -> bool:
     """Whether kernels reading `tensor` should be launched with PDL (a CUDA device of compute
     capability 9.0 or more, and not turned off)."""
-    return tensor.is_cuda and _supported(tensor.device.index if tensor.device.index is not None
+    return knobs.pdl and tensor.is_cuda and _supported(tensor.device.index if tensor.device.index is not None
                                          else torch.cuda.current_device())
 
 
@@ -61,14 +61,13 @@ def wait_for_previous_grid(USE_PDL: tl.constexpr):
 # `bench single-forward`, paired in one call): a 64-sequence decode step 5.79-5.91 ms with it,
 # 5.88-6.01 without.
 # The batch-1 GEMV does not use it: there it made the step slower (4.35-4.37 ms, not 4.26).
-# LLMLAB_PREFETCH=<KB per program> sets it (read once, like LLMLAB_PDL), 0 turns it off.
-PREFETCH_KB_PER_PROGRAM = int(os.environ.get("LLMLAB_PREFETCH", "32"))
+# knobs.prefetch_kb (LLMLAB_PREFETCH=<KB per program>) sets it, 0 turns it off.
 
 
 def prefetch_lines(tensor: torch.Tensor, rows_per_program: int, row_bytes: int) -> int:
     """How many 128-byte lines of each weight row a program prefetches into L2 before
     `wait_for_previous_grid` (0: none; without PDL there is nothing to overlap)."""
-    kb = PREFETCH_KB_PER_PROGRAM
+    kb = knobs.prefetch_kb
     if kb <= 0 or not use_pdl(tensor):
         return 0
     lines = max(1, min(row_bytes // 128, (kb << 10) // (rows_per_program * 128)))

@@ -1,10 +1,11 @@
 """The 8-bit decode-attention variants: how codes become numbers and how the context is
-tiled, by name. `llmlab bench decode-variants` times them all; `LLMLAB_Q8_DECODE` (or
+tiled, by name. `llmlab bench decode-variants` times them all; `knobs.q8_decode` ($LLMLAB_Q8_DECODE; or
 `q8_config(name)`) picks one; `decode_attention.decode_attention` runs it."""
 from __future__ import annotations
 
 import dataclasses
-import os
+
+from ..tuning import knobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,8 +52,8 @@ GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, 
 
 
 def q8_config(name: str | None = None) -> Q8Config:
-    """The named variant, else $LLMLAB_Q8_DECODE, else the default."""
-    name = name or os.environ.get("LLMLAB_Q8_DECODE") or DEFAULT_Q8_CONFIG
+    """The named variant, else knobs.q8_decode ($LLMLAB_Q8_DECODE), else the default."""
+    name = name or knobs.q8_decode or DEFAULT_Q8_CONFIG
     if name not in Q8_CONFIGS:
         raise ValueError(f"unknown 8-bit decode config {name!r}; known: {sorted(Q8_CONFIGS)}")
     return Q8_CONFIGS[name]

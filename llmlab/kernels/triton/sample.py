@@ -3,15 +3,13 @@ algorithm, kernels_explained/sampling.md), launched eagerly or, on a GPU, replay
 CUDA graph per padded batch size (sample_graph.py)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import sample_passes
+from ..tuning import knobs
+
 from .sample_graph import graphed_sample
 from .sample_passes import launch, layout, pack, row_flags, scratch_shapes
 
-GRAPHS = os.environ.get("LLMLAB_SAMPLE_GRAPHS", "1") != "0"   # on a GPU, replay the launches as a graph
 _workspace: dict = {}       # device -> a byte buffer the per-call scratch tensors are cut from
 _views: dict = {}           # (device, layout) -> the views of that buffer
 
@@ -46,7 +44,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     if S == 0:
         return logits.argmax(dim=-1)
     flags = row_flags(temperature, top_k, top_p, min_p, V)
-    if logits.is_cuda and not top_k.is_cuda and GRAPHS and not torch.cuda.is_current_stream_capturing():
+    if logits.is_cuda and not top_k.is_cuda and knobs.sample_graphs and not torch.cuda.is_current_stream_capturing():
         return graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, positions)
     if logits.stride(-1) != 1 or logits.stride(0) % 8 or logits.storage_offset():
         logits = logits.contiguous().clone()   # own aligned storage: no new kernel variant
@@ -54,5 +52,5 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     if floats.device != logits.device:
         floats, ints = (t.pin_memory().to(logits.device, non_blocking=True) for t in (floats, ints))
     P, CH, levels = layout(S, V, logits.dtype)
-    rounds = max(sample_passes.ROUNDS, 1) if flags[2] else 1
+    rounds = max(knobs.sample_rounds, 1) if flags[2] else 1
     return launch(logits, floats, ints, flags, _scratch(logits.device, scratch_shapes(S, P, levels, rounds)))

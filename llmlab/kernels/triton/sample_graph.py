@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tuning import knobs
 from . import sample_passes as ts
 
 
@@ -61,7 +62,7 @@ def _capture(device, dtype, V, rows, flags) -> _Graph:
     floats = torch.zeros(rows, 4, dtype=torch.float32, device=device)
     ints = torch.zeros(2, rows, dtype=torch.int64, device=device)
     P, _, levels = ts.layout(rows, V, dtype)
-    rounds = max(ts.ROUNDS, 1) if flags[2] else 1
+    rounds = max(knobs.sample_rounds, 1) if flags[2] else 1
     sizes = ts.scratch_shapes(rows, P, levels, rounds)
     scratch = [torch.empty(shape, dtype=dt, device=device) for shape, dt in sizes]
     floats[:, 0] = 1.0                      # every row sampled: the warm-up run compiles every pass

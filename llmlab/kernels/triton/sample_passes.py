@@ -23,22 +23,19 @@ up to float rounding in the sums.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..tuning import knobs
 from ..reference import GUMBEL_SPAN
 from .sample_radix import (_gumbel, _key, _level_kernel, _race_kernel, _row_key, _row_stats,
                                   _top_k_mass_kernel)
 
-# Tunable for measurements (llmlab bench sampler) through the environment. The radix passes'
-# [BLOCK, 16] histogram lanes are BLOCK * 16 / (32 * NUM_WARPS) registers a thread.
-BLOCK = int(os.environ.get("LLMLAB_SAMPLE_BLOCK", 512))
-NUM_WARPS = int(os.environ.get("LLMLAB_SAMPLE_WARPS", 8))
-TARGET_PROGRAMS = int(os.environ.get("LLMLAB_SAMPLE_PROGRAMS", 512))   # chunks per row = this / rows
-ROUNDS = int(os.environ.get("LLMLAB_SAMPLE_ROUNDS", 3))   # rejection checks before the radix fallback
+# Tunable for measurements (llmlab bench sampler): knobs.sample_block, sample_warps,
+# sample_programs (chunks per row = this / rows) and sample_rounds (rejection checks before
+# the radix fallback). The radix passes' [BLOCK, 16] histogram lanes are
+# BLOCK * 16 / (32 * warps) registers a thread.
 MAX_CHUNKS = 128            # chunk partials a program reads: one fixed size, one compiled variant
 @triton.jit
 def _no_top_k(top_k, V):
@@ -192,8 +189,9 @@ def pack(temperature, top_k, top_p, min_p, seeds, positions, rows=None):
 def layout(S, V, dtype):
     """(P chunks per row, CH tokens per chunk, radix levels)."""
     levels = (32 if dtype == torch.float32 else 16) // 4
-    P = max(1, min(triton.cdiv(V, BLOCK), TARGET_PROGRAMS // S, MAX_CHUNKS))
-    CH = triton.cdiv(triton.cdiv(V, P), BLOCK) * BLOCK       # chunk length, a multiple of BLOCK
+    block = knobs.sample_block
+    P = max(1, min(triton.cdiv(V, block), knobs.sample_programs // S, MAX_CHUNKS))
+    CH = triton.cdiv(triton.cdiv(V, P), block) * block       # chunk length, a multiple of the block
     return triton.cdiv(V, CH), CH, levels
 
 
@@ -209,7 +207,7 @@ def launch(logits, floats, ints, flags, scratch):
     S, V = logits.shape
     with_top_k, any_top_p, rounds_needed, any_greedy = flags
     P, CH, levels = layout(S, V, logits.dtype)
-    rounds = max(ROUNDS, 1) if rounds_needed else 1           # temperature alone: one check accepts
+    rounds = max(knobs.sample_rounds, 1) if rounds_needed else 1   # temperature alone: one check accepts
     (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, zk, best,
      best_token) = scratch
     tokens = logits.argmax(dim=-1) if any_greedy else None     # an argmax reads the whole batch too
@@ -217,18 +215,18 @@ def launch(logits, floats, ints, flags, scratch):
     done, final, floor = done_final[0], done_final[1], done_final[2]
     # sizes vary with the batch, so none of them is a compile-time constant (no recompiles mid-run)
     grid = (S, P)
-    meta = dict(BLOCK=BLOCK, num_warps=NUM_WARPS)
+    meta = dict(BLOCK=knobs.sample_block, num_warps=knobs.sample_warps)
     common = (logits, logits.stride(0), floats)
     radix = dict(KEY_BITS=levels * 4, P_BLOCK=MAX_CHUNKS, **meta)
     _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], V, CH, P, S, **meta)
-    for r in range(rounds if ROUNDS > 0 else 0):
+    for r in range(rounds if knobs.sample_rounds > 0 else 0):
         if any_top_p:
             _mass_above_kernel[grid](*common, stats, cand_best[r], cand_token[r], done, mass, V, CH, P, S, **radix)
         _accept_kernel[grid](*common, ints, stats, cand_best[r], cand_token[r], mass, done, final,
                              cand_best[r + 1], cand_token[r + 1], V, CH, P, S, RACE=r + 1 < rounds, **radix)
     # the radix passes, for rows with top-k and for rows the rounds left unsettled (each pass
     # skips settled rows at once)
-    if not (with_top_k or rounds_needed or ROUNDS <= 0):
+    if not (with_top_k or rounds_needed or knobs.sample_rounds <= 0):
         return _with_greedy(floats, final, tokens)
     for use_mass, needed in ((False, with_top_k), (True, any_top_p)):
         if not needed:

@@ -1,7 +1,6 @@
-"""Dense layers, y = x W^T + b, through the fastest matrix product torch has for the device.
+"""The CPU's matrix product, y = x W^T + b: the torch backend's `linear` on a CPU.
 
-On a GPU that is `F.linear` (cuBLAS), but for decode steps' few rows (below). On an x86
-CPU, `F.linear` calls MKL, which is slow on the few rows a decode step has (one per
+On an x86 CPU, `F.linear` calls MKL, which is slow on the few rows a decode step has (one per
 sequence). oneDNN, the library behind torch.compile's CPU backend, is faster, and faster
 again when each weight is first reordered into its blocked layout: streaming SmolLM2's
 float32 weights once takes (2-core Zen 4, ms)
@@ -22,33 +21,17 @@ So on a CPU each weight gets a packed copy on its first use, kept beside the pla
 the weight is modified in place. The ops are `torch.ops.mkldnn._reorder_linear_weight`
 and `_linear_pointwise`, the ones torch.compile emits; a one-time probe checks that they
 exist and agree with F.linear, and everything falls back to F.linear if not.
-
-On a GPU, decode steps' rows go to Triton instead of cuBLAS: a GEMV for one row, a skinny
-GEMM for 33-64 (kernels/dense/gemv.py and dense/skinny_gemm.py have the numbers).
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from ..tuning import knobs
+
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-_GEMV_DTYPES = (torch.float16, torch.bfloat16)
-# On a GPU, one row (a batch-1 decode step) goes to the Triton GEMV (kernels/dense/gemv.py),
-# 33-64 rows (a decode batch) to the skinny GEMM (dense/skinny_gemm.py): on the H200 each is
-# as fast as cuBLAS or faster on every Llama-3-8B weight, and both take programmatic
-# dependent launch (kernels/triton/pdl.py), which cuBLAS's kernels do not. LLMLAB_GEMV=0: cuBLAS.
-USE_GEMV = os.environ.get("LLMLAB_GEMV", "1") != "0"
-_SKINNY_ROWS = 64
-# gate_up and silu_mul in one skinny launch (kernels/dense/skinny_gemm.py, swiglu_gemm) for
-# 33-64 rows: correct, but no faster on the H200 (a 64-sequence step 5.84-5.91 ms with it,
-# 5.84-5.86 without; kernels_explained/gemv.md), so off unless LLMLAB_SWIGLU_GEMM=1.
-SWIGLU_GEMM = os.environ.get("LLMLAB_SWIGLU_GEMM", "0") == "1"
-# 2-32 rows stay with cuBLAS: a decode step of 16 sequences measured 6.17 ms with the skinny
-# GEMM and 5.47 ms with cuBLAS (H200, Llama-3-8B), though each weight alone timed the same.
-_CUBLAS_ROWS = 32
 _PACK_FOR_ROWS = 16           # oneDNN picks its blocking for this many rows; 1-512 all gain
 _onednn_works: bool | None = None
 _one_row: str | None = None   # "mkl" or "onednn", once decided (one_row_library)
@@ -56,35 +39,13 @@ _packed: dict = {}            # id(weight) -> (weak ref to it, its version, pack
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
+    """x [..., in], weight [out, in], bias [out] or None -> [..., out]: oneDNN with the packed
+    weight on a CPU (MKL for a float32 row where it measured faster), F.linear elsewhere."""
     if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and onednn_works():
         if x.dtype == torch.float32 and x.numel() == x.shape[-1] and one_row_library() == "mkl":
             return F.linear(x, weight, bias)   # one row, where MKL measured faster on this machine
         return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
-    if (USE_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_ROWS and bias is None
-            and x.dtype in _GEMV_DTYPES and weight.dtype == x.dtype and weight.stride(-1) == 1):
-        if x.shape[0] == 1:
-            from llmlab.kernels.dense.gemv import gemv
-            return gemv(x, weight)
-        if x.shape[0] > _CUBLAS_ROWS:
-            from llmlab.kernels.dense.skinny_gemm import skinny_gemm
-            return skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
-
-
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, backend=None) -> torch.Tensor:
-    """silu_mul(linear(x, gate_up)), gate_up = [gate; up] rows. With LLMLAB_SWIGLU_GEMM=1, where
-    linear would take the skinny GEMM and silu_mul is the Triton kernel's (no override, no
-    other backend), one kernel: each program computes a feature's gate and up columns and
-    stores their SwiGLU, so the [M, 2I] product never reaches memory."""
-    from llmlab import kernels
-
-    if (SWIGLU_GEMM and USE_GEMV and x.is_cuda and x.dim() == 2 and _CUBLAS_ROWS < x.shape[0] <= _SKINNY_ROWS
-            and x.dtype in _GEMV_DTYPES and gate_up.dtype == x.dtype and gate_up.stride(-1) == 1
-            and not kernels.is_overridden("silu_mul") and (backend or kernels.default_backend()) == "triton"):
-        from llmlab.kernels.dense.skinny_gemm import swiglu_gemm
-        return swiglu_gemm(x, gate_up)
-    return kernels.silu_mul(linear(x, gate_up), backend=backend)
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
@@ -113,13 +74,13 @@ def prepack(weights) -> None:
 
 def one_row_library() -> str:
     """"mkl" or "onednn": the faster library for a float32 product of one row on this
-    machine, timed once per process (LLMLAB_CPU_ONE_ROW=mkl or onednn: no timing). The probe
+    machine, timed once per process (knobs.cpu_one_row, LLMLAB_CPU_ONE_ROW=mkl or onednn: no timing). The probe
     streams six 2048 x 1024 weights (48 MB, more than a small machine's caches, as a model's
     layers are), each library's best of three passes. On the Xeon measured the two differed
     by 1.5x, far beyond the probe's noise (it chose MKL in five runs of five)."""
     global _one_row
     if _one_row is None:
-        choice = os.environ.get("LLMLAB_CPU_ONE_ROW", "").lower()
+        choice = (knobs.cpu_one_row or "").lower()
         if choice not in ("mkl", "onednn"):
             choice = _time_one_row()
         _one_row = choice

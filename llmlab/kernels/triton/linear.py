@@ -1,0 +1,52 @@
+"""linear, the Triton backend's entry: decode steps' few rows to Triton's dense kernels,
+everything else to the torch backend's product (cuBLAS on a GPU, oneDNN on a CPU).
+
+On a GPU one row (a batch-1 decode step) goes to the GEMV (kernels/dense/gemv.py), 33-64
+rows (a decode batch) to the skinny GEMM (dense/skinny_gemm.py): on the H200 each is as
+fast as cuBLAS or faster on every Llama-3-8B weight, and both take programmatic dependent
+launch (triton/pdl.py), which cuBLAS's kernels do not. knobs.gemv off (LLMLAB_GEMV=0): cuBLAS
+for all rows.
+See kernels_explained/gemv.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import torch_backend
+from ..dense import gemv, skinny_gemm   # modules, so that tests can watch their functions
+from ..tuning import knobs
+
+_GEMV_DTYPES = (torch.float16, torch.bfloat16)
+_SKINNY_ROWS = 64
+# 2-32 rows stay with cuBLAS: a decode step of 16 sequences measured 6.17 ms with the skinny
+# GEMM and 5.47 ms with cuBLAS (H200, Llama-3-8B), though each weight alone timed the same.
+_CUBLAS_ROWS = 32
+# gate_up and silu_mul in one skinny launch (skinny_gemm.swiglu_gemm) for 33-64 rows:
+# correct, but no faster on the H200 (a 64-sequence step 5.84-5.91 ms with it, 5.84-5.86
+# without; kernels_explained/gemv.md), so off unless knobs.swiglu_gemm (LLMLAB_SWIGLU_GEMM=1).
+
+
+def _triton_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (knobs.gemv and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_ROWS and x.dtype in _GEMV_DTYPES
+            and weight.dtype == x.dtype and weight.stride(-1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.linear."""
+    # x: [rows, in]; weight: [out, in]; bias: [out] or None; returns [rows, out]
+    if bias is None and _triton_rows(x, weight):
+        if x.shape[0] == 1:
+            return gemv.gemv(x, weight)
+        if x.shape[0] > _CUBLAS_ROWS:
+            return skinny_gemm.skinny_gemm(x, weight)
+    return torch_backend.linear(x, weight, bias)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu_mul(x gate_up^T) in one skinny-GEMM launch where LLMLAB_SWIGLU_GEMM=1 and the
+    rows would take the skinny GEMM; None where it does not apply (the contract's `swiglu`
+    then runs linear and silu_mul)."""
+    # x: [rows, in]; gate_up: [2 * intermediate, in], the gate rows then the up rows
+    if knobs.swiglu_gemm and _triton_rows(x, gate_up) and x.shape[0] > _CUBLAS_ROWS:
+        return skinny_gemm.swiglu_gemm(x, gate_up)
+    return None

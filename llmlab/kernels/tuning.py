@@ -1,0 +1,78 @@
+"""The fast path's knobs, in one table: every performance switch of the kernels, each with
+the environment variable that sets it.
+
+Each fast path is a layer on the readable path; these turn layers off or retune them
+(`llmlab bench ...` sweeps them). The variables are read once, when llmlab is imported;
+after that the one object `knobs` holds them, and code (a benchmark, a notebook, a test)
+may set a field directly:
+
+    from llmlab.kernels import knobs
+    knobs.gemv = False          # what LLMLAB_GEMV=0 does, from now on
+
+| field           | variable             | default | what it does |
+|-----------------|----------------------|---------|--------------|
+| gemv            | LLMLAB_GEMV          | on      | GPU decode steps: 1 row to the Triton GEMV, 33-64 rows to the skinny GEMM (off: cuBLAS) |
+| swiglu_gemm     | LLMLAB_SWIGLU_GEMM   | off     | gate_up and silu_mul in one skinny-GEMM launch for 33-64 rows (measured no faster) |
+| pdl             | LLMLAB_PDL           | on      | programmatic dependent launch of decode kernels on Hopper (triton/pdl.py) |
+| prefetch_kb     | LLMLAB_PREFETCH      | 32      | KB of its weight rows a skinny-GEMM program asks L2 for before its PDL wait (0: none) |
+| q8_decode       | LLMLAB_Q8_DECODE     | (none)  | the 8-bit decode-attention variant by name (triton/q8_configs.py; none: the default) |
+| cpu_one_row     | LLMLAB_CPU_ONE_ROW   | (none)  | "mkl" or "onednn" for a float32 one-row product on a CPU (none: timed once per process) |
+| sample_graphs   | LLMLAB_SAMPLE_GRAPHS | on      | the Triton sampler's launches replayed as CUDA graphs |
+| sample_block    | LLMLAB_SAMPLE_BLOCK  | 512     | tokens per block in the sampler's passes |
+| sample_warps    | LLMLAB_SAMPLE_WARPS  | 8       | warps per program of the sampler's passes |
+| sample_programs | LLMLAB_SAMPLE_PROGRAMS | 512   | programs per batch the sampler aims for (chunks per row = this / rows) |
+| sample_rounds   | LLMLAB_SAMPLE_ROUNDS | 3       | rejection checks before the sampler's radix fallback |
+
+Knobs that the engine decides per run (CUDA graphs, async scheduling, the KV cache's
+dtype, ...) are `EngineConfig` fields instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+ENVIRONMENT = {   # field -> the variable that sets it
+    "gemv": "LLMLAB_GEMV", "swiglu_gemm": "LLMLAB_SWIGLU_GEMM", "pdl": "LLMLAB_PDL",
+    "prefetch_kb": "LLMLAB_PREFETCH", "q8_decode": "LLMLAB_Q8_DECODE", "cpu_one_row": "LLMLAB_CPU_ONE_ROW",
+    "sample_graphs": "LLMLAB_SAMPLE_GRAPHS", "sample_block": "LLMLAB_SAMPLE_BLOCK",
+    "sample_warps": "LLMLAB_SAMPLE_WARPS", "sample_programs": "LLMLAB_SAMPLE_PROGRAMS",
+    "sample_rounds": "LLMLAB_SAMPLE_ROUNDS",
+}
+
+
+@dataclass
+class Knobs:
+    gemv: bool = True
+    swiglu_gemm: bool = False
+    pdl: bool = True
+    prefetch_kb: int = 32
+    q8_decode: str | None = None
+    cpu_one_row: str | None = None
+    sample_graphs: bool = True
+    sample_block: int = 512
+    sample_warps: int = 8
+    sample_programs: int = 512
+    sample_rounds: int = 3
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> "Knobs":
+        """The defaults, with every variable of the table that is set (and not empty) read."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            text = environ.get(ENVIRONMENT[f.name], "")
+            if not text:
+                continue
+            if f.default is True or f.default is False:
+                values[f.name] = text != "0" if f.default else text == "1"   # as the variables always read
+            elif isinstance(f.default, int):
+                try:
+                    values[f.name] = int(text)
+                except ValueError:
+                    raise ValueError(f"{ENVIRONMENT[f.name]} must be an integer, got {text!r}") from None
+            else:
+                values[f.name] = text
+        return cls(**values)
+
+
+knobs = Knobs.from_environment()
