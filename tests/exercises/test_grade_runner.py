@@ -36,3 +36,47 @@ def test_a_segfault_is_reported_and_a_hang_times_out(tmp_path):
     assert lines[0].split()[:2] == ["ex98_crash", "CRASHED"] and "SIGSEGV" in lines[0]
     assert "out-of-bounds read" in lines[0]
     assert lines[1].split()[:2] == ["ex99_hang", "HUNG"] and "no result after 5 s" in lines[1]
+
+
+def test_exit_status_is_1_while_an_exercise_is_unwritten_or_failing():
+    """`make grade` is what a course's CI reads: only all-passing is 0; --only-written lets
+    unwritten exercises through, never failing ones."""
+    from grade import exit_status
+    from report import Grade
+
+    done, todo, failing = Grade(), Grade(not_written=True), Grade()
+    done.add("call", "passed")
+    failing.add("call", "failed")
+    partial = Grade(not_written=True)
+    partial.add("call", "passed")
+    partial.add("call", "skipped")
+    assert exit_status({"ex01": done}, api_ok=True, only_written=False) == 0
+    assert exit_status({"ex01": done, "ex02": todo}, api_ok=True, only_written=False) == 1
+    assert exit_status({"ex01": done, "ex09": partial}, api_ok=True, only_written=False) == 1
+    assert exit_status({"ex01": done, "ex02": todo, "ex09": partial}, api_ok=True, only_written=True) == 0
+    assert exit_status({"ex01": done, "ex02": failing}, api_ok=True, only_written=True) == 1
+    assert exit_status({"ex01": done}, api_ok=False, only_written=True) == 1
+
+
+def test_a_signature_without_annotations_is_the_same_api():
+    from test_same_api import parameters
+
+    def annotated(x: int, y: float = 1.0, *, backend: str | None = None) -> int: ...
+    def bare(x, y=1.0, *, backend=None): ...
+    def renamed(x, z=1.0, *, backend=None): ...
+    assert parameters(annotated) == parameters(bare)
+    assert parameters(renamed) != parameters(bare)
+
+
+@pytest.mark.slow
+def test_grading_the_unwritten_exercises_exits_1():
+    """A real run on a pristine exercise (09 is plain Python: quick): not written -> 1."""
+    import subprocess
+    from pathlib import Path
+
+    grader = Path(__file__).parent / "grade.py"
+    result = subprocess.run([sys.executable, str(grader), "ex09"], capture_output=True, text=True, timeout=300)
+    assert "to do" in result.stdout and result.returncode == 1, result.stdout[-2000:]
+    result = subprocess.run([sys.executable, str(grader), "ex09", "--only-written"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:]
