@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import llmlab
 from engine_helpers import assert_all_blocks_free, run_all
 from llmlab import EngineConfig, LLMEngine, SamplingParams
-from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
+from llmlab.cli_flags import add_engine_arguments, engine_kwargs
+from llmlab.config import ModelConfig
 from llmlab.engine import batch as batches
 from llmlab.engine.input_buffers import ALIGN, BlockTableRows, InputBuffers
 from llmlab.engine.warm_up import graph_keys, spec, warm_up_plans
