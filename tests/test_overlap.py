@@ -19,8 +19,8 @@ from llmlab.engine import batch as batches
 from llmlab.engine.input_buffers import ALIGN, BlockTableRows, InputBuffers
 from llmlab.engine.warm_up import graph_keys, spec, warm_up_plans
 from llmlab.model.llama import LlamaModel
+from llmlab.plan import Plan, ScheduledItem
 from llmlab.request import Request, RequestStatus
-from llmlab.scheduler import Plan, ScheduledItem
 
 TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

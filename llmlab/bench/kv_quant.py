@@ -121,7 +121,7 @@ def chunk_logprobs(model, token_ids, kv_cache, start, block_size=16, store_kv=No
     """Log-probabilities [n, vocab] of the token after each of token_ids[start:start + CHUNK],
     with everything before `start` already in kv_cache (one prefill chunk)."""
     from llmlab.engine.batch import prepare
-    from llmlab.scheduler import Plan, ScheduledItem
+    from llmlab.plan import Plan, ScheduledItem
 
     device = kv_cache.device.device
     num = min(CHUNK, len(token_ids) - start)
