@@ -29,27 +29,20 @@ scheduled again; one that a pending EOS or stop ends has decoded one token too m
 `resolve` drops (its blocks are freed then).
 
 `policy` orders requests by priority; FCFS (arrival order) by default. Pass another key
-function (e.g. shortest prompt first) to change who is admitted and who is preempted.
+function (llmlab/policies.py has shortest prompt first and others) to change who is
+admitted and who is preempted.
 """
 from __future__ import annotations
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
+from llmlab.policies import fcfs
 from llmlab.request import Request, RequestStatus
 
 # the value of an output token the host has not read yet (never fed to the model: the
 # runner takes that input id from the device, where the sampler left it)
 PENDING_TOKEN = -1
-
-
-def fcfs(request: Request):
-    """First come, first served: earlier arrival = higher priority."""
-    return request.arrival_time
-
-
-def shortest_prompt_first(request: Request):
-    return (len(request.prompt_token_ids), request.arrival_time)
 
 
 class Scheduler:
