@@ -20,7 +20,7 @@ DEMO_PROMPTS = [
 
 def _load(args):
     import llmlab
-    from llmlab.config import engine_kwargs
+    from llmlab.cli_flags import engine_kwargs
 
     start = time.perf_counter()
     print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, max_tokens=128):
-        from llmlab.config import add_engine_arguments
+        from llmlab.cli_flags import add_engine_arguments
 
         p.add_argument("--max-tokens", type=int, default=max_tokens)
         p.add_argument("--temperature", type=float, default=0.0)

@@ -46,7 +46,7 @@ def test_the_random_model_takes_the_command_lines_engine_flags():
     """`--model random-llama3-8b` (the GPU benchmarks) builds its EngineConfig from the
     command line: flags left unset (None in the namespace) keep the defaults, set ones win."""
     from llmlab.bench.single_forward import random_engine_config
-    from llmlab.config import engine_kwargs
+    from llmlab.cli_flags import engine_kwargs
 
     args = parse("--model", "random-llama3-8b", "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.25")
     config = random_engine_config(args, engine_args=engine_kwargs(args))

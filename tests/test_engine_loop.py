@@ -12,8 +12,9 @@ from llmlab.config import ModelConfig
 from llmlab.engine import ModelRunner
 from llmlab.engine.batch import dummy_plan, num_blocks_of
 from llmlab.model.llama import LlamaModel
+from llmlab.plan import Plan, ScheduledItem
 from llmlab.request import Request, RequestStatus
-from llmlab.scheduler import Plan, ScheduledItem, Scheduler
+from llmlab.scheduler import Scheduler
 
 TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -13,13 +13,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import llmlab
 from engine_helpers import assert_all_blocks_free, run_all
 from llmlab import EngineConfig, LLMEngine, SamplingParams
-from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
+from llmlab.cli_flags import add_engine_arguments, engine_kwargs
+from llmlab.config import ModelConfig
 from llmlab.engine import batch as batches
 from llmlab.engine.input_buffers import ALIGN, BlockTableRows, InputBuffers
 from llmlab.engine.warm_up import graph_keys, spec, warm_up_plans
 from llmlab.model.llama import LlamaModel
+from llmlab.plan import Plan, ScheduledItem
 from llmlab.request import Request, RequestStatus
-from llmlab.scheduler import Plan, ScheduledItem
 
 TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

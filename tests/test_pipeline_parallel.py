@@ -21,7 +21,8 @@ import torch.distributed as dist
 import llmlab
 from llmlab import EngineConfig, LLMEngine
 from llmlab.bench import offline
-from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
+from llmlab.cli_flags import add_engine_arguments, engine_kwargs
+from llmlab.config import ModelConfig
 from llmlab.engine import batch as batches
 from llmlab.engine.parallel.pipeline import StageSpan, micro_batch_cuts, micro_batches
 from llmlab.engine.parallel.placement import RankLayout, stage_layers, weights_of_stage

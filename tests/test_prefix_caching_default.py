@@ -10,7 +10,7 @@ import pytest
 
 from llmlab import EngineConfig, cli
 from llmlab.cache.block_manager import BlockManager
-from llmlab.config import engine_kwargs
+from llmlab.cli_flags import engine_kwargs
 from llmlab.experiments import CostModel, Workload, simulate
 from llmlab.request import Request
 from llmlab.sampling import SamplingParams

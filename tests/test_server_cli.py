@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from llmlab import cli
-from llmlab.config import EngineConfig, add_engine_arguments, engine_kwargs
+from llmlab.cli_flags import add_engine_arguments, engine_kwargs
+from llmlab.config import EngineConfig
 
 
 def flag(name: str) -> str:

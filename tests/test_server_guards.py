@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import llmlab
-from llmlab.scheduler import Plan
+from llmlab.plan import Plan
 from llmlab.server.app import create_app
 from llmlab.server.serve import check_max_model_len
 from server_harness import metrics, running, tiny_engine

@@ -78,7 +78,7 @@ def _options(args) -> dict:
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
     for key in [k for k in options if k.endswith("_len")]:
-        from llmlab.config import int_span
+        from llmlab.cli_flags import int_span
 
         options[key] = int_span(options[key], "--" + key.replace("_", "-"))
     return options

@@ -21,7 +21,7 @@ import time
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import add_engine_arguments
+    from llmlab.cli_flags import add_engine_arguments
 
     parser.add_argument("--url", default=None, help="a running server (default: start one here)")
     parser.add_argument("--api-key", default=None)
@@ -133,7 +133,8 @@ def main(args) -> dict:
 
     import uvicorn
 
-    from llmlab.config import EngineConfig, engine_kwargs
+    from llmlab.cli_flags import engine_kwargs
+    from llmlab.config import EngineConfig
 
     def run(url, api_key, vocab_size):
         if args.big_prompt_kb:

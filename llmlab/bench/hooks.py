@@ -7,7 +7,7 @@ import time
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import positive_int
+    from llmlab.cli_flags import positive_int
 
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--num-seqs", type=int, default=8)

@@ -121,7 +121,7 @@ def chunk_logprobs(model, token_ids, kv_cache, start, block_size=16, store_kv=No
     """Log-probabilities [n, vocab] of the token after each of token_ids[start:start + CHUNK],
     with everything before `start` already in kv_cache (one prefill chunk)."""
     from llmlab.engine.batch import prepare
-    from llmlab.scheduler import Plan, ScheduledItem
+    from llmlab.plan import Plan, ScheduledItem
 
     device = kv_cache.device.device
     num = min(CHUNK, len(token_ids) - start)
@@ -263,7 +263,7 @@ def greedy_agreement(llm, prompts, kv_cache_dtype="int8", **engine_args) -> dict
 # ----------------------------------------------------------------------------- CLI
 
 def add_arguments(parser) -> None:
-    from llmlab.config import add_engine_arguments, positive_int
+    from llmlab.cli_flags import add_engine_arguments, positive_int
 
     parser.add_argument("--num-tokens", type=positive_int, default=None, help="evaluate on the text's first N tokens")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -310,7 +310,7 @@ def print_tables(result) -> None:
 
 def main(args) -> dict:
     import llmlab
-    from llmlab.config import engine_kwargs
+    from llmlab.cli_flags import engine_kwargs
 
     llm = llmlab.LLM(**engine_kwargs(args))
     result = run(llm, args.num_tokens)

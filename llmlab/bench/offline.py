@@ -15,7 +15,7 @@ import time
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import add_engine_arguments, positive_int
+    from llmlab.cli_flags import add_engine_arguments, positive_int
 
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2); "
                         "'random-llama3-8b' = random bf16 weights in the Llama-3-8B shape")
@@ -105,7 +105,7 @@ def workload(args, vocab_size: int):
 def build_llm(args, **overrides):
     import llmlab
     from llmlab.bench.single_forward import random_engine
-    from llmlab.config import engine_kwargs
+    from llmlab.cli_flags import engine_kwargs
 
     kwargs = dict(engine_kwargs(args), **overrides)
     if args.model == "random-llama3-8b":

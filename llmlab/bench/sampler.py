@@ -18,7 +18,7 @@ SETTINGS = {
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import positive_int
+    from llmlab.cli_flags import positive_int
 
     parser.add_argument("--batch-sizes", default="1,64,128,256")
     parser.add_argument("--vocab", type=int, default=128256, help="default: Llama-3's vocabulary")

@@ -276,7 +276,7 @@ def parse_rates(values: list[str]) -> list[float]:
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import positive_int
+    from llmlab.cli_flags import positive_int
 
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")

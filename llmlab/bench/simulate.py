@@ -29,7 +29,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> dict:
     from llmlab import EngineConfig
-    from llmlab.config import int_span
+    from llmlab.cli_flags import int_span
     from llmlab.experiments import CostModel, Workload, simulate
 
     spans = int_span(args.prompt_len, "--prompt-len"), int_span(args.output_len, "--output-len")

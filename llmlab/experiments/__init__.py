@@ -11,16 +11,16 @@ simulator, latency and SLO metrics, figures.
 workload.py builds workloads, run.py drives an engine on the wall clock, simulate.py the
 same Scheduler on a simulated clock, cost_model.py predicts step times (one of its terms
 reads dense_profile.py's table of matrix-product times by rows), result.py holds
-per-request metrics and summaries, policies.py names the scheduling policies, figures.py
-draws them (plotly is imported only there).
+per-request metrics and summaries, figures.py draws them (plotly is imported only there).
+The scheduling policies, by name, are in llmlab/policies.py (POLICIES, resolve_policy).
 """
 from llmlab.experiments.cost_model import FEATURES, CostModel, step_features
 from llmlab.experiments.dense_profile import DenseProfile
-from llmlab.experiments.policies import POLICIES, resolve_policy
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.run import engine_meta, run
 from llmlab.experiments.simulate import simulate
 from llmlab.experiments.workload import Workload, WorkloadRequest, read_lengths
+from llmlab.policies import POLICIES, resolve_policy
 
 
 FIGURES = ("compare", "latency_cdf", "prediction_error", "request_timeline", "step_predictions", "step_timeline",

@@ -11,10 +11,10 @@ import time
 
 from llmlab.config import EngineConfig
 from llmlab.engine.engine import LLMEngine
-from llmlab.experiments.policies import resolve_policy
 from llmlab.experiments.result import Result
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import Recorder
+from llmlab.policies import resolve_policy
 from llmlab.sampling import SamplingParams
 
 

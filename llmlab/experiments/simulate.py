@@ -18,10 +18,10 @@ import math
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.experiments.cost_model import CostModel
-from llmlab.experiments.policies import resolve_policy
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import ScheduledRecord, StepRecord, Trace
+from llmlab.policies import resolve_policy
 from llmlab.request import Request
 from llmlab.sampling import SamplingParams
 from llmlab.scheduler import Scheduler

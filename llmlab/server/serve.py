@@ -27,7 +27,7 @@ SHUTDOWN_BACKSTOP = 10.0
 
 
 def add_arguments(parser) -> None:
-    from llmlab.config import add_engine_arguments
+    from llmlab.cli_flags import add_engine_arguments
     from llmlab.server.app import MAX_BODY_BYTES
 
     parser.add_argument("--host", default="127.0.0.1",
@@ -60,7 +60,8 @@ CPU_LONG_PREFILL_THRESHOLD = 64
 
 
 def main(args) -> None:
-    from llmlab.config import EngineConfig, engine_kwargs
+    from llmlab.cli_flags import engine_kwargs
+    from llmlab.config import EngineConfig
     from llmlab.engine.engine import LLMEngine
     from llmlab.server.app import EMBEDDED_MODEL_NAME, create_app
     from llmlab.server.guards import check_api_key_value

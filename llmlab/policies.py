@@ -1,6 +1,6 @@
-"""Scheduling policies by name, as the Scheduler takes them: a key function of a Request,
-smaller key = higher priority. The key orders three decisions (llmlab/scheduler.py):
-who is admitted from the waiting queue first, who comes back from swap first, and who is
+"""Scheduling policies, as the Scheduler takes them: a key function of a Request, smaller
+key = higher priority. The key orders three decisions (llmlab/scheduler.py): who is
+admitted from the waiting queue first, who comes back from swap first, and who is
 preempted when KV blocks run out (the running request with the largest key).
 
   fcfs                    arrival order (vLLM's default; Orca's iteration-level FCFS)
@@ -15,14 +15,34 @@ preempted when KV blocks run out (the running request with the largest key).
                           (vLLM's priority scheduling: run() and simulate() set the
                           scheduler's preempt_for_priority)
 
-Your own key function works the same way: `run(workload, engine, policy=my_key)`.
+`resolve_policy` turns one of these names into its key function (llmlab.experiments' run()
+and simulate() take a name). Your own key function works the same way:
+`Scheduler(..., policy=my_key)`, `LLMEngine(..., policy=my_key)` or
+`run(workload, engine, policy=my_key)`.
 """
 from __future__ import annotations
 
-from llmlab.experiments.workload import Workload
-from llmlab.scheduler import fcfs, shortest_prompt_first
+from typing import TYPE_CHECKING
+
+from llmlab.request import Request
+
+if TYPE_CHECKING:   # only the annotation: the scheduler's layer does not import experiments
+    from llmlab.experiments.workload import Workload
 
 POLICIES = ("fcfs", "shortest_prompt_first", "shortest_output_first", "priority")
+
+
+def fcfs(request: Request):
+    """First come, first served: earlier arrival = higher priority."""
+    return request.arrival_time
+
+
+def shortest_prompt_first(request: Request):
+    return (len(request.prompt_token_ids), request.arrival_time)
+
+
+def shortest_output_first(request: Request):
+    return (request.params.max_tokens, request.arrival_time)
 
 
 def resolve_policy(policy, workload: Workload):
@@ -34,7 +54,7 @@ def resolve_policy(policy, workload: Workload):
     if policy == "shortest_prompt_first":
         return shortest_prompt_first
     if policy == "shortest_output_first":
-        return lambda request: (request.params.max_tokens, request.arrival_time)
+        return shortest_output_first
     if policy == "priority":
         priorities = {r.request_id: r.priority for r in workload}
         return lambda request: (priorities.get(request.request_id, 0), request.arrival_time)
