@@ -45,7 +45,7 @@ def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
 def test_the_random_model_takes_the_command_lines_engine_flags():
     """`--model random-llama3-8b` (the GPU benchmarks) builds its EngineConfig from the
     command line: flags left unset (None in the namespace) keep the defaults, set ones win."""
-    from llmlab.bench.single_forward import random_engine_config
+    from llmlab.bench.common import random_engine_config
     from llmlab.config import engine_kwargs
 
     args = parse("--model", "random-llama3-8b", "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.25")

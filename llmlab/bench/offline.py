@@ -9,9 +9,11 @@ same process (--compare-prefix-caching), and prompts that share a prefix (--pref
 a time, then overlapped (EngineConfig.async_scheduling), on the same engine."""
 from __future__ import annotations
 
-import json
 import random
 import time
+
+from llmlab.bench.common import LLAMA3_8B, random_engine, random_hf_model, write_json
+from llmlab.machine import machine_name
 
 
 def add_arguments(parser) -> None:
@@ -104,7 +106,6 @@ def workload(args, vocab_size: int):
 
 def build_llm(args, **overrides):
     import llmlab
-    from llmlab.bench.single_forward import random_engine
     from llmlab.config import engine_kwargs
 
     kwargs = dict(engine_kwargs(args), **overrides)
@@ -144,40 +145,12 @@ def run_llmlab(llm, requests, setting: dict) -> dict:
             "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
-def machine_name(device: str) -> str:
-    """The GPU's name, or the CPU model and core count (CPU numbers vary by host)."""
-    import os
-
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        model = platform.processor() or "cpu"
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-
-
 def hf_model(args, dtype, device):
     """The HF transformers peer: the same folder, or random weights in the same shape."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if args.model == "random-llama3-8b":
-        from llmlab.bench.single_forward import LLAMA3_8B
-
-        config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
-        config._attn_implementation = "sdpa"
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                return LlamaForCausalLM(config).eval()
-        finally:
-            torch.set_default_dtype(torch.float32)
+        return random_hf_model(LLAMA3_8B, dtype, device)
     from llmlab.model.loader import resolve_model
 
     return AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=dtype).to(device).eval()
@@ -254,7 +227,5 @@ def main(args) -> list[dict]:
               f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / first:.3f} |")
     if args.hf:
         print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[-1]['output_tokens_per_s']:.2f}x")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results, indent=2)
     return results
