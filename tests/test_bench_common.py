@@ -83,6 +83,19 @@ def test_machine_lines_name_the_cpu_and_the_software():
     assert {"device", "cpu", "cores", "torch_threads", "load", "torch", "triton"} <= set(machine.machine_info())
 
 
+def test_every_benchmark_module_is_a_command(capsys):
+    """`llmlab bench NAME --help` for each module with add_arguments and main, launches too."""
+    from llmlab.cli import BENCHMARKS, main
+
+    modules = {f"llmlab.bench.{path.stem}" for path in BENCH.glob("*.py")
+               if "def add_arguments(" in path.read_text() and "def main(" in path.read_text()}
+    assert modules == set(BENCHMARKS.values())
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "launches", "--help"])
+    assert exit_.value.code == 0
+    assert "--batch-sizes" in capsys.readouterr().out
+
+
 def test_no_benchmark_imports_another_ones_private_helpers():
     for path in BENCH.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

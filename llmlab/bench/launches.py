@@ -11,8 +11,10 @@ GEMMs, and each costs GPU time even inside a CUDA graph. This counts them two wa
 - `profile_kernels(fn)`, on CUDA: the kernels the profiler saw, their busy time, and the
   idle time between them (the launch gaps).
 
-    python -m llmlab.bench.launches --out results/launches            # Llama-3-8B shape, GPU
-    python -m llmlab.bench.launches --layers 2 --batch-sizes 1,4 --out /tmp/launches   # CPU
+    llmlab bench launches --out results/launches            # Llama-3-8B shape, GPU
+    llmlab bench launches --layers 2 --batch-sizes 1,4 --out /tmp/launches   # CPU
+
+(`python -m llmlab.bench.launches` takes the same flags.)
 
 Each forward runs twice: fused (the model as it is) and unfused (rope and store_kv plugged
 in as overrides, which makes the model run the pair; see llmlab/kernels/__init__.py), so one
@@ -209,10 +211,7 @@ def random_engine(shape: str, num_layers: int | None, batch_sizes, context: int,
     return engine_with_random_weights(EngineConfig(**fields), hf)
 
 
-def main(argv=None) -> list[dict]:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=513, help="tokens per sequence, the new one included")
     parser.add_argument("--shape", choices=["8b", "small"], default=None,
@@ -223,7 +222,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--num-splits", type=int, default=None,
                         help="flash-decoding splits (default: the runner's choice; 1: no split-K reduce)")
     parser.add_argument("--out", required=True, help="a directory: launches.json (launches_splits<N>.json) goes there")
-    args = parser.parse_args(argv)
+
+
+def main(args) -> list[dict]:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     shape = args.shape or ("8b" if torch.cuda.is_available() else "small")
     engine = random_engine(shape, args.layers, batch_sizes, args.context, args.backend)
@@ -245,4 +246,8 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())
