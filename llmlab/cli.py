@@ -111,6 +111,7 @@ BENCHMARKS = {
     "head-of-line": "llmlab.bench.head_of_line",
     "sampler": "llmlab.bench.sampler",
     "gemv": "llmlab.bench.gemv",
+    "launches": "llmlab.bench.launches",
 }
 
 

@@ -23,10 +23,11 @@ def test_settings_and_workload():
     settings = offline.sampling_settings(args)
     assert [offline.describe(s) for s in settings] == [
         "temperature=0.7, top_p=0.9", "greedy", "temperature=1.0, top_k=50, seed=3"]
-    requests = offline.workload(args, vocab_size=1000)
-    assert [len(ids) for ids, _ in requests] == [25] * 6
-    assert requests[0][0][:20] == requests[2][0][:20] != requests[1][0][:20]
-    assert requests == offline.workload(args, vocab_size=1000)          # seeded
+    workload = offline.build_workload(args, vocab_size=1000)
+    prompts = [r.prompt_token_ids for r in workload]
+    assert [len(ids) for ids in prompts] == [25] * 6 and [r.output_len for r in workload] == [3] * 6
+    assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20]
+    assert workload == offline.build_workload(args, vocab_size=1000)          # seeded
 
 
 def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
@@ -45,7 +46,7 @@ def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
 def test_the_random_model_takes_the_command_lines_engine_flags():
     """`--model random-llama3-8b` (the GPU benchmarks) builds its EngineConfig from the
     command line: flags left unset (None in the namespace) keep the defaults, set ones win."""
-    from llmlab.bench.single_forward import random_engine_config
+    from llmlab.bench.common import random_engine_config
     from llmlab.cli_flags import engine_kwargs
 
     args = parse("--model", "random-llama3-8b", "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.25")

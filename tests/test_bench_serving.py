@@ -50,3 +50,19 @@ def test_head_of_line_ends_when_the_long_prompt_fits_in_one_step(tmp_path):
     result = json.loads(out.read_text())
     assert result["long_done_before_short_sent"] is True
     assert result["long_ttft_s"] > 0 and result["short_ttft_behind_long_s"] > 0
+
+
+def test_the_synthetic_prompts_are_a_lognormal_workload_in_words():
+    """`Workload.lognormal`'s lengths for the seed, each token id drawn as one of WORDS; the
+    arrivals of a rate are `Workload.poisson`'s."""
+    from llmlab.experiments import Workload
+
+    prompts = serving.synthetic_prompts(20, seed=3, mean_input_len=30, mean_output_len=8, max_output_len=16)
+    workload = Workload.lognormal(20, 30, 8, max_output_len=16, seed=3)
+    assert [(p.input_len, p.output_len) for p in prompts] == [(len(r.prompt_token_ids), r.output_len)
+                                                              for r in workload]
+    for p in prompts:
+        words = p.text.split(" ")
+        assert len(words) == p.input_len and set(words) <= set(serving.WORDS)
+    assert serving.poisson_arrivals(20, 4.0, seed=3) == [r.arrival_time for r in Workload.poisson(20, 4.0, seed=3)]
+    assert serving.poisson_arrivals(3, float("inf")) == [0.0] * 3

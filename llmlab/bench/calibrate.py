@@ -30,6 +30,9 @@ import os
 import sys
 import time
 
+from llmlab.bench.common import random_engine, write_json
+from llmlab.machine import recorded_on
+
 # The first workload is bursty (gamma arrivals, cv 3), so its steps cover small and large
 # batches alike; the second has Poisson arrivals at another rate and another length mix.
 PRESETS = {
@@ -93,8 +96,6 @@ def build_engine(options: dict, args):
 
     sizes = dict(max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"])
     if options["model"] == "random-llama3-8b":
-        from llmlab.bench.single_forward import random_engine
-
         return random_engine(args, num_gpu_blocks=args.num_gpu_blocks, **sizes)[0].engine
     if options["model"] == "random-tiny":
         tiny = ModelConfig.from_hf(dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96,
@@ -138,7 +139,8 @@ def calibrate(args) -> dict:
     fitted = run(fit, engine)
     fit_seconds = time.perf_counter() - start
     load.append(os.getloadavg()[0])
-    fitted.trace.meta.update(recorded_on=_device_name(engine), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    fitted.trace.meta.update(recorded_on=recorded_on(engine.device),
+                             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                              workload=f"gamma (cv {options['fit_cv']}) {options['fit_requests']} requests at "
                                       f"{options['fit_rate']}/s, "
                                       f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}")
@@ -201,8 +203,7 @@ def calibrate(args) -> dict:
         report["repeat"] = repeat
         report["repeat_relative_difference"] = {k: (repeat[k] - a[k]) / a[k] for k in REPORTED}
         report["load_average"]["after_repeat"] = load[3]
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(args.out, "report.json"), report)
     return report
 
 
@@ -226,16 +227,6 @@ def load_trace(path):
 
 def _progress(message: str) -> None:
     print(f"[calibrate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _device_name(engine) -> str:
-    import torch
-
-    if engine.device.type == "cuda":
-        import triton
-
-        return f"{torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}, Triton {triton.__version__}"
-    return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def format_report(report: dict) -> str:

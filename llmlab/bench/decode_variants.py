@@ -17,50 +17,31 @@ aim is about.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import statistics
-import time
 
 import torch
 
+from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES, kernel_time_ms,
+                                 median_ms, paged_cache, quantize_paged_cache, quantized_cache_dtypes, write_json)
 from llmlab.kernels import reference
+from llmlab.machine import versions
 
 # outputs are averages of N(0, 1) values; 16-bit dots and outputs (bench_kernels' bf16 tolerance)
 TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 
 
-def _paged_cache(batch, context, num_kv_heads, head_dim, block_size, dtype, device, gen):
-    """Random K/V for `batch` sequences of `context` tokens in shuffled blocks."""
-    blocks_per_seq = math.ceil(context / block_size)
-    ids = torch.randperm(batch * blocks_per_seq, generator=gen).to(torch.int32)
-    block_tables = ids.view(batch, blocks_per_seq).to(device)
-    shape = (batch * blocks_per_seq, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-    return k_cache, v_cache, block_tables
-
-
-def _timer(device):
-    """ms_of(make_call, bytes_per_call) -> (ms, eager ms)."""
-    if device.type == "cuda":
-        from llmlab.bench.kernels import _time_ms
-
-        return _time_ms
-
-    def cpu_time(make_call, bytes_per_call=0):
-        call = make_call(0)
-        call()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times), statistics.median(times)
-    return cpu_time
+def _time_ms(make_call, num_bytes, on_gpu):
+    """(ms, eager ms) of make_call(0)(): bench kernels' timer on a GPU; on a CPU (the
+    interpreter) the median wall time of 3 calls after one, for both."""
+    if on_gpu:
+        return kernel_time_ms(make_call, num_bytes)
+    ms = median_ms(make_call(0), repeats=3, warmup=1, cuda_events=False)
+    return ms, ms
 
 
 def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 2, 4), cache_dtypes=None,
-        num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device=None, scale_layouts=("slot",)) -> dict:
+        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE, device=None,
+        scale_layouts=("slot",)) -> dict:
     """Time the bf16 (fp16 on a CPU) kernel and every named 8-bit config on each
     (batch, context) shape; print a table, return {"device", "rows", "best"} (also as
     JSON to out_path). scale_layouts: "slot" (the cache's: a slot's kv-head scales side
@@ -76,25 +57,24 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter has no bf16
     if cache_dtypes is None:
-        cache_dtypes = ["int8"] + (["fp8"] if not on_gpu or torch.cuda.get_device_capability() >= (8, 9) else [])
-    if any(name not in ("int8", "fp8") for name in cache_dtypes):   # before any row runs
+        cache_dtypes = list(quantized_cache_dtypes(device))
+    if any(name not in QUANTIZED_CACHE_DTYPES for name in cache_dtypes):   # before any row runs
         raise ValueError(f"--cache-dtypes: int8 and/or fp8, got {','.join(cache_dtypes)}")
     names = list(configs or Q8_CONFIGS)
     unknown = [name for name in names if name not in Q8_CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; known: {sorted(Q8_CONFIGS)}")
-    time_ms = _timer(device)
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     rows = []
     header = "| variant | cache | shape | splits | ms | TB/s | vs bf16 | max err |\n|---|---|---|---|---|---|---|---|"
-    print(f"{torch.cuda.get_device_name() if on_gpu else 'cpu (Triton interpreter)'}, torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}, heads {num_heads}/{num_kv_heads} x {head_dim}, "
+    software = versions()
+    print(f"{torch.cuda.get_device_name() if on_gpu else 'cpu (Triton interpreter)'}, torch {software['torch']}, "
+          f"triton {software['triton']}, heads {num_heads}/{num_kv_heads} x {head_dim}, "
           f"block size {block_size}\n{header}", flush=True)
 
-    header_info = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-                   "triton": __import__("triton").__version__, "heads": [num_heads, num_kv_heads, head_dim],
-                   "block_size": block_size}
+    header_info = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", **software,
+                   "heads": [num_heads, num_kv_heads, head_dim], "block_size": block_size}
 
     def measure(row, make_call, num_bytes, expected, baseline_ms=None):
         """Fill row with the timing, the speed-up over baseline_ms and the error against
@@ -104,16 +84,14 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
             out = make_call(0)()
             error = (out.float() - expected).abs().max().item()
             row.update(max_abs_err=round(error, 6), ok=bool(torch.allclose(out.float(), expected, **TOLERANCE)))
-            ms, ms_eager = time_ms(make_call, num_bytes)
+            ms, ms_eager = _time_ms(make_call, num_bytes, on_gpu)
             row.update(ms=round(ms, 4), ms_eager=round(ms_eager, 4), tb_s=round(num_bytes / ms / 1e9, 3))
             if baseline_ms:
                 row["speedup_vs_bf16"] = round(baseline_ms / ms, 2)
         except Exception as error:  # noqa: BLE001 -- a variant that does not compile here is a finding
             row["error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
-        if out_path:  # after every row, so a run cut short still leaves what it measured
-            with open(out_path, "w") as f:
-                json.dump({**header_info, "rows": rows}, f, indent=1)
+        write_json(out_path, {**header_info, "rows": rows})   # after every row: a run cut short keeps them
         rate = f"{row['ms']:.4f} | {row['tb_s']}" if "ms" in row else f"failed: {row['error'][:80]} |"
         print(f"| {row['variant']} | {row['cache']} | {row['batch']}x{row['context']} | {row['num_splits']} | {rate} "
               f"| {row.get('speedup_vs_bf16', '')} | {row.get('max_abs_err', '')}{'' if row.get('ok', True) else ' NOT OK'} |",
@@ -126,7 +104,7 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
         # Enough input sets that one pass over them does not fit in L2 (on a GPU).
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) if on_gpu else 0
         num_sets = max(1, min(8, math.ceil(4 * l2 / (rows_read * (head_dim + 4)))))
-        caches = [_paged_cache(batch, context, num_kv_heads, head_dim, block_size, dtype, device, gen)
+        caches = [paged_cache([context] * batch, num_kv_heads, head_dim, block_size, dtype, device, gen)
                   for _ in range(num_sets)]
         shape = dict(batch=batch, context=context)
 
@@ -142,11 +120,8 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
                 bf16_ms[num_splits] = row["ms"]
 
         for cache_name in cache_dtypes:
-            cache_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[cache_name]
-            quantized = []
-            for k_cache, v_cache, block_tables in caches:
-                (k_codes, k_scales), (v_codes, v_scales) = (reference.quantize(c, cache_dtype) for c in (k_cache, v_cache))
-                quantized.append((k_codes, v_codes, block_tables, k_scales, v_scales))
+            cache_dtype = QUANTIZED_CACHE_DTYPES[cache_name]
+            quantized = [quantize_paged_cache(*cache, cache_dtype) for cache in caches]
             k_codes, v_codes, block_tables, k_scales, v_scales = quantized[0]
             expected = reference.decode_attention(q, k_codes, v_codes, block_tables, seq_lens, scale, 1,
                                                   k_scales, v_scales).float()
@@ -186,9 +161,7 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     for key, row in best.items():
         print(f"  {key}: {row}")
     result = {**header_info, "rows": rows, "best": best}
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(out_path, result)
     return result
 
 
@@ -207,10 +180,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--configs", default=None, help="comma-separated Q8_CONFIGS names (default: all)")
     parser.add_argument("--splits", default="1,2,4", help="num_splits to run each variant with (default: %(default)s)")
     parser.add_argument("--cache-dtypes", default=None, help="int8,fp8 (default: those the device converts)")
-    parser.add_argument("--num-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-heads", type=int, default=NUM_HEADS)
+    parser.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--scale-layouts", default="slot",
                         help="slot,head: also time the Gluon kernel on scales stored kv head by kv head")

@@ -12,10 +12,7 @@ from HBM, without launch gaps. Every variant's result is checked against F.linea
 """
 from __future__ import annotations
 
-import json
-
-LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-                    "down": (4096, 14336), "lm_head": (128256, 4096)}
+from llmlab.bench.common import LLAMA3_8B_WEIGHTS, graph_replay_ms, write_json
 
 
 def add_arguments(parser) -> None:
@@ -47,31 +44,6 @@ def skinny_configs(args):
     return grid + [GemvConfig.from_name(name) for name in SPLIT_K_CANDIDATES]
 
 
-def _graph_time_ms(calls, repeats=10) -> float:
-    """Milliseconds per call of `calls` (a list of thunks) replayed as one CUDA graph."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:   # warm-up: compiles, cuBLAS workspace
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats / len(calls)
-
-
 def main(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -82,7 +54,7 @@ def main(args) -> list[dict]:
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shapes = ({f"{s}": tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
-              if args.shapes else LLAMA3_8B_SHAPES)
+              if args.shapes else LLAMA3_8B_WEIGHTS)
     unknown = [name for name in (args.configs or "").split(",") if name and name not in GEMV_CONFIGS]
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; known: {sorted(GEMV_CONFIGS)}")
@@ -114,7 +86,7 @@ def main(args) -> list[dict]:
                 row = {"shape": label, "n": n, "k": k, "rows": m, "method": name, "max_abs_err": err,
                        "ok": err <= 2e-2 * scale + 1e-3}
                 if cuda:
-                    ms = _graph_time_ms([lambda w=w, fn=fn: fn(w) for w in weights] * 3)
+                    ms = graph_replay_ms([lambda w=w, fn=fn: fn(w) for w in weights] * 3)
                     row.update(ms=ms, tb_s=nbytes / ms / 1e9)
                 # the same bits after the timed replays: split-K's tile counters were left at 0
                 row["repeatable"] = bool(torch.equal(fn(weights[0]), got))
@@ -125,7 +97,5 @@ def main(args) -> list[dict]:
                       + f"err {err:.2e}{'' if row['repeatable'] else '  NOT REPEATABLE'}"
                       + f"{'' if row['ok'] else '  MISMATCH'}", flush=True)
         del weights
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results, indent=2)
     return results

@@ -19,6 +19,9 @@ import json
 import random
 import time
 
+from llmlab.bench.common import write_json
+from llmlab.machine import cpu_name
+
 
 def add_arguments(parser) -> None:
     from llmlab.cli_flags import add_engine_arguments
@@ -116,18 +119,8 @@ async def tokenization_stall(url: str, api_key: str | None, args) -> dict:
             "max_gap_before_s": max(before), "max_gap_while_tokenizing_s": max(during, default=0.0)}
 
 
-def cpu_model() -> str | None:
-    """The CPU's name as lscpu shows it (Linux), for the record."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
 def main(args) -> dict:
     import os
-    import platform
     import socket
     import threading
 
@@ -165,9 +158,7 @@ def main(args) -> dict:
         result.update(device=engine.device.type, backend=engine.backend, dtype=str(engine.dtype),
                       max_num_batched_tokens=config.max_num_batched_tokens,
                       config={k: v for k, v in engine_kwargs(args).items()})
-    result.update(cpu=cpu_model() or platform.machine(), load_average=os.getloadavg())
+    result.update(cpu=cpu_name(), load_average=os.getloadavg())
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result, indent=2)
     return result

@@ -2,8 +2,9 @@
 `if` each), and a Recorder attached — against the time of a decode step."""
 from __future__ import annotations
 
-import json
 import time
+
+from llmlab.bench.common import median_ms, write_json
 
 
 def add_arguments(parser) -> None:
@@ -16,7 +17,7 @@ def add_arguments(parser) -> None:
 
 
 def _decode_steps(engine, prompts, steps, recorder=None) -> float:
-    """Median seconds of a pure-decode step (all prompts running)."""
+    """Median milliseconds of a pure-decode step (all prompts running), by the wall clock."""
     from llmlab import SamplingParams
 
     if recorder is not None:
@@ -24,16 +25,12 @@ def _decode_steps(engine, prompts, steps, recorder=None) -> float:
     ids = [engine.add_request(p, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
            for p in prompts]
     engine.step()   # the prefill
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    ms = median_ms(engine.step, repeats=steps, warmup=0, cuda_events=False)
     for rid in ids:
         engine.abort(rid)
     if recorder is not None:
         engine.hooks.detach(recorder)
-    return sorted(times)[len(times) // 2]
+    return ms
 
 
 def main(args) -> dict:
@@ -52,14 +49,12 @@ def main(args) -> dict:
     for _ in range(n):
         model._tap("layers.0.q", None)
     per_check = (time.perf_counter() - start) / n
-    result = {"decode_step_ms": plain * 1e3, "decode_step_with_recorder_ms": recorded * 1e3,
+    result = {"decode_step_ms": plain, "decode_step_with_recorder_ms": recorded,
               "recorder_overhead_pct": 100 * (recorded - plain) / plain,
               "hook_points_per_step": points_per_step, "hook_point_check_ns": per_check * 1e9,
-              "idle_hook_points_pct_of_step": 100 * points_per_step * per_check / plain,
+              "idle_hook_points_pct_of_step": 100 * points_per_step * per_check / (plain / 1e3),
               "num_seqs": args.num_seqs, "device": str(engine.device)}
     for key, value in result.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result, indent=2)
     return result

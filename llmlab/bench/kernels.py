@@ -14,52 +14,18 @@ that every call reads from HBM.
 """
 from __future__ import annotations
 
-import itertools
-import json
-import math
-
 import torch
 import torch.nn.functional as F
 
 from llmlab import kernels
+from llmlab.bench.common import (BLOCK_SIZE, DTYPE, HEAD_DIM, HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS,
+                                 kernel_time_ms, paged_cache, quantize_paged_cache, quantized_cache_dtypes, write_json)
 from llmlab.kernels import reference
+from llmlab.machine import versions
 
 COPY_TB_S = 4.27        # H200 device-to-device copy, bytes read + written (measured; the roofline here)
 MATMUL_TFLOP_S = 790.0  # H200 bf16 8192^3 torch.matmul on random data (measured)
-# Llama-3-8B
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-HIDDEN, INTERMEDIATE = 4096, 14336
-BLOCK_SIZE = 16
 NUM_TOKENS = 8192
-DTYPE = torch.bfloat16
-
-
-def _time_ms(make_call, bytes_per_call=0, graph=True):
-    """Median ms of one call: (device time, eager time). make_call(i) builds the i-th
-    input set and returns a zero-argument function; enough sets are built that together
-    they exceed L2 4x, and calls cycle through them.
-
-    Device time replays the calls from a CUDA graph, as the engine's decode does: it is
-    what the GPU spends. Eager time launches each call from Python (do_bench), so it also
-    pays the launch cost -- tens of microseconds for a Triton kernel, more than several
-    of these kernels take on the GPU. graph=False reports eager time for both: for calls
-    that sync with the host (they cannot be captured) and for plain copies (captured,
-    they become copy-engine nodes, slower than the copy kernel).
-    """
-    import triton.testing
-
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    copies = max(1, min(32, math.ceil(4 * l2 / bytes_per_call))) if bytes_per_call else 1
-    rotation = itertools.cycle([make_call(i) for i in range(copies)])
-
-    def call():
-        return next(rotation)()
-
-    call()  # compile outside the timings
-    eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-    if not graph:
-        return eager, eager
-    return triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median"), eager
 
 
 def _randn(*shape, dtype=DTYPE):
@@ -101,7 +67,8 @@ def _format(row):
 def _bench_copy(rows):
     n = 1 << 29  # 1 GiB of bf16
     src, dst = _randn(n), torch.empty(n, device="cuda", dtype=DTYPE)
-    _row(rows, "copy", "1 GiB", "torch", _time_ms(lambda i: lambda: dst.copy_(src), graph=False), num_bytes=2 * 2 * n)
+    _row(rows, "copy", "1 GiB", "torch", kernel_time_ms(lambda i: lambda: dst.copy_(src), graph=False),
+         num_bytes=2 * 2 * n)
 
 
 def _bench_rms_norm(rows):
@@ -115,14 +82,15 @@ def _bench_rms_norm(rows):
     for impl, fn in [("triton", lambda x: kernels.rms_norm(x, weight, 1e-5, backend="triton")),
                      ("torch F.rms_norm", lambda x: F.rms_norm(x, (HIDDEN,), weight, 1e-5))]:
         _try(rows, "rms_norm", shape, impl, lambda: _row(
-            rows, "rms_norm", shape, impl, _time_ms(lambda i: (lambda x: lambda: fn(x))(inputs(i)), nbytes), nbytes))
+            rows, "rms_norm", shape, impl, kernel_time_ms(lambda i: (lambda x: lambda: fn(x))(inputs(i)), nbytes),
+            nbytes))
 
     nbytes = 4 * NUM_TOKENS * HIDDEN * 2  # read x and residual, write out and x + residual
     for impl, fn in [("triton", lambda x, r: kernels.rms_norm(x, weight, 1e-5, r, backend="triton")),
                      ("torch add + F.rms_norm", lambda x, r: F.rms_norm(x + r, (HIDDEN,), weight, 1e-5))]:
         _try(rows, "rms_norm+residual", shape, impl, lambda: _row(
             rows, "rms_norm+residual", shape, impl,
-            _time_ms(lambda i: (lambda x, r: lambda: fn(x, r))(inputs(i), inputs(i)), nbytes), nbytes))
+            kernel_time_ms(lambda i: (lambda x, r: lambda: fn(x, r))(inputs(i), inputs(i)), nbytes), nbytes))
 
 
 def _bench_silu_mul(rows):
@@ -136,7 +104,7 @@ def _bench_silu_mul(rows):
     for impl, fn in [("triton", lambda x: kernels.silu_mul(x, backend="triton")), ("torch F.silu(a) * b", torch_silu_mul)]:
         _try(rows, "silu_mul", shape, impl, lambda: _row(
             rows, "silu_mul", shape, impl,
-            _time_ms(lambda i: (lambda x: lambda: fn(x))(_randn(NUM_TOKENS, 2 * INTERMEDIATE)), nbytes), nbytes))
+            kernel_time_ms(lambda i: (lambda x: lambda: fn(x))(_randn(NUM_TOKENS, 2 * INTERMEDIATE)), nbytes), nbytes))
 
 
 def _bench_rope(rows):
@@ -151,7 +119,8 @@ def _bench_rope(rows):
     for impl, fn in [("triton", lambda q, k: kernels.rope(q, k, positions, 500000.0, scaling, backend="triton")),
                      ("torch eager (reference)", lambda q, k: reference.rope(q, k, positions, 500000.0, scaling))]:
         _try(rows, "rope", shape, impl, lambda: _row(
-            rows, "rope", shape, impl, _time_ms(lambda i: (lambda qk: lambda: fn(*qk))(inputs(i)), nbytes), nbytes))
+            rows, "rope", shape, impl, kernel_time_ms(lambda i: (lambda qk: lambda: fn(*qk))(inputs(i)), nbytes),
+            nbytes))
 
 
 def _bench_store_kv(rows):
@@ -169,7 +138,7 @@ def _bench_store_kv(rows):
                             ("torch index_put (reference)", reference.store_kv, False)]:
         _try(rows, "store_kv", shape, impl, lambda: _row(
             rows, "store_kv", shape, impl,
-            _time_ms(lambda i: (lambda a: lambda: fn(*a))(inputs(i)), nbytes, graph=graph), nbytes))
+            kernel_time_ms(lambda i: (lambda a: lambda: fn(*a))(inputs(i)), nbytes, graph=graph), nbytes))
 
     rows_written = 2 * NUM_TOKENS * NUM_KV_HEADS
     for name, cache_dtype in quantized_cache_dtypes().items():
@@ -185,38 +154,11 @@ def _bench_store_kv(rows):
         impl = f"triton, {name} cache"
         _try(rows, "store_kv", shape, impl, lambda impl=impl, make=quantized_inputs: _row(
             rows, "store_kv", shape, impl,
-            _time_ms(lambda i: (lambda a: lambda: kernels.store_kv(*a, backend="triton"))(make(i)), qbytes), qbytes))
+            kernel_time_ms(lambda i: (lambda a: lambda: kernels.store_kv(*a, backend="triton"))(make(i)), qbytes),
+            qbytes))
 
 
 # ----------------------------------------------------------------------------- attention
-
-def _paged_cache(seq_lens):
-    """Random K/V for the given lengths in shuffled blocks: (k_cache, v_cache, block_tables)."""
-    blocks = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
-    ids = torch.randperm(sum(blocks), device="cuda", dtype=torch.int64).to(torch.int32)
-    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
-    offsets = [0] + list(itertools.accumulate(blocks))
-    for i, n in enumerate(blocks):
-        block_tables[i, :n] = ids[offsets[i]:offsets[i] + n]
-    shape = (sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    return _randn(*shape), _randn(*shape), block_tables
-
-
-def _quantized_paged_cache(seq_lens, cache_dtype):
-    """_paged_cache's K/V quantized as store_kv would: (k codes, v codes, block_tables,
-    k scales, v scales), scales float32 [num_blocks, BLOCK_SIZE, NUM_KV_HEADS]."""
-    k_cache, v_cache, block_tables = _paged_cache(seq_lens)
-    (k_codes, k_scales), (v_codes, v_scales) = (reference.quantize(c, cache_dtype) for c in (k_cache, v_cache))
-    return k_codes, v_codes, block_tables, k_scales, v_scales
-
-
-def quantized_cache_dtypes() -> dict:
-    """The 8-bit caches this GPU runs: int8 everywhere, fp8 e4m3 from compute capability 8.9."""
-    dtypes = {"int8": torch.int8}
-    if torch.cuda.get_device_capability() >= (8, 9):
-        dtypes["fp8"] = torch.float8_e4m3fn
-    return dtypes
-
 
 def _sdpa_rows(rows, kernel, shape, q, k, v, is_causal, num_bytes=None, flops=None):
     """SDPA's flash and cuDNN backends on contiguous [B, heads, L, D] tensors (k and v
@@ -234,7 +176,7 @@ def _sdpa_rows(rows, kernel, shape, q, k, v, is_causal, num_bytes=None, flops=No
 
         def measure(impl=impl, make_call=make_call):
             make_call(0)()  # fail here, outside timing, if the backend refuses these inputs
-            _row(rows, kernel, shape, impl, _time_ms(make_call, num_bytes or 0),
+            _row(rows, kernel, shape, impl, kernel_time_ms(make_call, num_bytes or 0),
                  num_bytes=num_bytes, flops=flops)
         _try(rows, kernel, shape, impl, measure)
 
@@ -248,11 +190,11 @@ def _bench_decode(rows, batch, context, splits):
 
     def triton_call(num_splits, cache_dtype=None):
         def make_call(i):
-            if cache_dtype is None:
-                k_cache, v_cache, block_tables = _paged_cache([context] * batch)
-                scales = ()
-            else:
-                k_cache, v_cache, block_tables, *scales = _quantized_paged_cache([context] * batch, cache_dtype)
+            k_cache, v_cache, block_tables = paged_cache([context] * batch)
+            scales = ()
+            if cache_dtype is not None:
+                k_cache, v_cache, block_tables, *scales = quantize_paged_cache(k_cache, v_cache, block_tables,
+                                                                               cache_dtype)
             return lambda: kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM ** -0.5,
                                                     num_splits, *scales, backend="triton")
         return make_call
@@ -260,7 +202,7 @@ def _bench_decode(rows, batch, context, splits):
     bf16_ms = {}
     for impl, num_splits in splits:
         def measure(impl=impl, num_splits=num_splits):
-            times = _time_ms(triton_call(num_splits), nbytes)
+            times = kernel_time_ms(triton_call(num_splits), nbytes)
             bf16_ms[num_splits] = times[0]
             _row(rows, "decode_attention", shape, impl, times, num_bytes=nbytes)
         _try(rows, "decode_attention", shape, impl, measure)
@@ -268,7 +210,7 @@ def _bench_decode(rows, batch, context, splits):
         qbytes = rows_read * (HEAD_DIM * cache_dtype.itemsize + 4)  # codes + one float32 scale per row
         for impl, num_splits in splits:
             def measure(impl=f"{impl}, {name} cache", num_splits=num_splits):
-                times = _time_ms(triton_call(num_splits, cache_dtype), qbytes)
+                times = kernel_time_ms(triton_call(num_splits, cache_dtype), qbytes)
                 extra = {"speedup_vs_bf16": round(bf16_ms[num_splits] / times[0], 2)} if num_splits in bf16_ms else {}
                 _row(rows, "decode_attention", shape, impl, times, num_bytes=qbytes, **extra)
             _try(rows, "decode_attention", shape, f"{impl}, {name} cache", measure)
@@ -281,22 +223,23 @@ def _bench_decode(rows, batch, context, splits):
 def _bench_prefill(rows, context=4096):
     shape = f"batch 1 x {context} causal"
     flops = 2 * 2 * NUM_HEADS * HEAD_DIM * context * context / 2  # QK^T and PV, half the square
-    k_cache, v_cache, block_tables = _paged_cache([context])
+    k_cache, v_cache, block_tables = paged_cache([context])
     q = _randn(context, NUM_HEADS, HEAD_DIM)
     cu_seqlens_q = torch.tensor([0, context], dtype=torch.int32, device="cuda")
     seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
     _try(rows, "prefill_attention", shape, "triton (paged)", lambda: _row(
         rows, "prefill_attention", shape, "triton (paged)",
-        _time_ms(lambda i: lambda: kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                             seq_lens, HEAD_DIM ** -0.5, backend="triton")),
+        kernel_time_ms(lambda i: lambda: kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                                   seq_lens, HEAD_DIM ** -0.5, backend="triton")),
         flops=flops))
     for name, cache_dtype in quantized_cache_dtypes().items():
-        quantized = _quantized_paged_cache([context], cache_dtype)
+        quantized = quantize_paged_cache(*paged_cache([context]), cache_dtype)
         impl = f"triton (paged), {name} cache"
         _try(rows, "prefill_attention", shape, impl, lambda quantized=quantized, impl=impl: _row(
             rows, "prefill_attention", shape, impl,
-            _time_ms(lambda i: lambda: kernels.prefill_attention(q, *quantized[:3], cu_seqlens_q, seq_lens,
-                                                                 HEAD_DIM ** -0.5, *quantized[3:], backend="triton")),
+            kernel_time_ms(lambda i: lambda: kernels.prefill_attention(q, *quantized[:3], cu_seqlens_q, seq_lens,
+                                                                       HEAD_DIM ** -0.5, *quantized[3:],
+                                                                       backend="triton")),
             flops=flops))
     k, v = _randn(1, NUM_KV_HEADS, context, HEAD_DIM), _randn(1, NUM_KV_HEADS, context, HEAD_DIM)
     _sdpa_rows(rows, "prefill_attention", shape, q.transpose(0, 1)[None].contiguous(), k, v, True, flops=flops)
@@ -311,7 +254,8 @@ def run(out_path=None) -> list[dict]:
 
     torch.manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
+    software = versions()
+    print(f"{torch.cuda.get_device_name()}, torch {software['torch']}, triton {software['triton']}")
     print("| kernel | shape | impl | ms (graph) | ms (eager) | rate | % roofline |\n|---|---|---|---|---|---|---|",
           flush=True)
     rows = []
@@ -327,14 +271,8 @@ def run(out_path=None) -> list[dict]:
         splits = choose_num_splits(batch, NUM_KV_HEADS, 32768, num_sms)
         _bench_decode(rows, batch, 32768, [("triton v1", 1), (f"triton v2 ({splits} splits)", splits)])
     _bench_prefill(rows)
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(out_path, rows)
     return rows
-
-
-if __name__ == "__main__":
-    run()
 
 
 def add_arguments(parser) -> None:
@@ -345,3 +283,7 @@ def main(args) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("bench kernels times compiled Triton kernels; it needs a CUDA device")
     return run(args.out)
+
+
+if __name__ == "__main__":
+    run()

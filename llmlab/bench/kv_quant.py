@@ -13,12 +13,12 @@ dequantizes in torch and writes the result into a full-precision cache.
 """
 from __future__ import annotations
 
-import json
 import math
 
 import torch
 
 from llmlab import kernels
+from llmlab.bench.common import write_json
 from llmlab.kernels import reference
 
 CHUNK = 256            # prefill chunk (a multiple of the block size: blocks never straddle chunks)
@@ -315,7 +315,5 @@ def main(args) -> dict:
     llm = llmlab.LLM(**engine_kwargs(args))
     result = run(llm, args.num_tokens)
     print_tables(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result

@@ -11,8 +11,10 @@ GEMMs, and each costs GPU time even inside a CUDA graph. This counts them two wa
 - `profile_kernels(fn)`, on CUDA: the kernels the profiler saw, their busy time, and the
   idle time between them (the launch gaps).
 
-    python -m llmlab.bench.launches --out results/launches            # Llama-3-8B shape, GPU
-    python -m llmlab.bench.launches --layers 2 --batch-sizes 1,4 --out /tmp/launches   # CPU
+    llmlab bench launches --out results/launches            # Llama-3-8B shape, GPU
+    llmlab bench launches --layers 2 --batch-sizes 1,4 --out /tmp/launches   # CPU
+
+(`python -m llmlab.bench.launches` takes the same flags.)
 
 Each forward runs twice: fused (the model as it is) and unfused (rope and store_kv plugged
 in as overrides, which makes the model run the pair; see llmlab/kernels/__init__.py), so one
@@ -21,12 +23,13 @@ run shows what the fusion saves. See kernels_explained/rope_store_kv.md.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmlab.bench.common import LLAMA3_8B, SMALL_LLAMA, capture_graph, engine_with_random_weights, median_ms, write_json
 
 # ops that move no data: metadata changes and allocations
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -162,8 +165,6 @@ def per_layer(launches: list[str], num_layers: int) -> dict:
 
 
 def measure(engine, batch_sizes, context, num_splits=None) -> list[dict]:
-    from llmlab.bench.single_forward import _time_cuda
-
     backend, num_layers = engine.runner.backend, engine.runner.model_config.num_layers
     rows = []
     for batch_size in batch_sizes:
@@ -178,9 +179,9 @@ def measure(engine, batch_sizes, context, num_splits=None) -> list[dict]:
                        "num_layers": num_layers, "launches": len(launches), **per_layer(launches, num_layers),
                        "sequence": launches}
                 if torch.cuda.is_available():
-                    replay = _graphed(step)
-                    row["eager_ms"] = _time_cuda(step, repeats=20)
-                    row["graph_ms"] = _time_cuda(replay, repeats=20)
+                    replay = capture_graph([step])   # as the engine captures decode steps
+                    row["eager_ms"] = median_ms(step, repeats=20)
+                    row["graph_ms"] = median_ms(replay, repeats=20)
                     # the profiler's event API moves between torch versions: a failure there
                     # must not lose the counts and timings above
                     for key, fn in (("graph_profile", replay), ("eager_profile", step)):
@@ -192,28 +193,12 @@ def measure(engine, batch_sizes, context, num_splits=None) -> list[dict]:
     return rows
 
 
-def _graphed(step):
-    """step captured in a CUDA graph (as the engine captures decode steps): fn() replays it."""
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def random_engine(shape: str, num_layers: int | None, batch_sizes, context: int, backend: str | None):
     """An engine on random weights in the Llama-3-8B shape ("8b", bf16 on CUDA) or a small
     one of the same layout ("small", for a CPU), graphs off: each forward runs as called."""
-    from llmlab import EngineConfig, LLMEngine
-    from llmlab.bench.single_forward import LLAMA3_8B
-    from llmlab.config import ModelConfig
-    from llmlab.model.llama import LlamaModel
+    from llmlab import EngineConfig
 
-    hf = dict(LLAMA3_8B)
-    if shape == "small":   # GQA 4, head_dim a power of two, a few MB of weights
-        hf.update(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=32)
+    hf = dict(SMALL_LLAMA if shape == "small" else LLAMA3_8B)
     if num_layers:
         hf["num_hidden_layers"] = num_layers
     fields = dict(model="random-llama3-8b", num_gpu_blocks=(context // 16 + 2) * max(batch_sizes) + 8,
@@ -223,15 +208,10 @@ def random_engine(shape: str, num_layers: int | None, batch_sizes, context: int,
         fields["backend"] = backend
     if not torch.cuda.is_available():
         fields.update(device="cpu", dtype="float32")
-    config = EngineConfig(**fields)
-    model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
-    return LLMEngine(config, model=model)
+    return engine_with_random_weights(EngineConfig(**fields), hf)
 
 
-def main(argv=None) -> list[dict]:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=513, help="tokens per sequence, the new one included")
     parser.add_argument("--shape", choices=["8b", "small"], default=None,
@@ -242,7 +222,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--num-splits", type=int, default=None,
                         help="flash-decoding splits (default: the runner's choice; 1: no split-K reduce)")
     parser.add_argument("--out", required=True, help="a directory: launches.json (launches_splits<N>.json) goes there")
-    args = parser.parse_args(argv)
+
+
+def main(args) -> list[dict]:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     shape = args.shape or ("8b" if torch.cuda.is_available() else "small")
     engine = random_engine(shape, args.layers, batch_sizes, args.context, args.backend)
@@ -250,7 +232,7 @@ def main(argv=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "launches.json" if args.num_splits is None else f"launches_splits{args.num_splits}.json"
-    (out / name).write_text(json.dumps(rows, indent=1))
+    write_json(out / name, rows)
     for row in rows:
         extra = ""
         if "graph_profile" in row:
@@ -264,4 +246,8 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())

@@ -9,9 +9,10 @@ same process (--compare-prefix-caching), and prompts that share a prefix (--pref
 a time, then overlapped (EngineConfig.async_scheduling), on the same engine."""
 from __future__ import annotations
 
-import json
-import random
 import time
+
+from llmlab.bench.common import LLAMA3_8B, random_engine, random_hf_model, write_json
+from llmlab.machine import machine_name
 
 
 def add_arguments(parser) -> None:
@@ -84,27 +85,20 @@ def describe(setting: dict) -> str:
         "top_p": 1.0, "top_k": -1, "min_p": 0.0}.get(k)))
 
 
-def workload(args, vocab_size: int):
-    """(prompt token ids, output length) per request; ids avoid the first 16 (special) tokens.
-    With --prefix-len, request i's prompt is shared prefix i % --num-prefixes, then its own
-    tokens."""
+def build_workload(args, vocab_size: int):
+    """The command line's `Workload.throughput`: every request at t = 0, lengths uniform in
+    [--min-len, --max-len] unless fixed; with --prefix-len, request i's prompt is shared
+    prefix i % --num-prefixes, then its own tokens."""
+    from llmlab.experiments import Workload
+
     if not (args.input_len and args.output_len) and not 0 < args.min_len <= args.max_len:
         raise ValueError(f"--min-len {args.min_len} and --max-len {args.max_len}: need 0 < min <= max")
-    rng = random.Random(args.workload_seed)
-    prefixes = [[rng.randint(16, vocab_size - 1) for _ in range(args.prefix_len)]
-                for _ in range(args.num_prefixes if args.prefix_len else 0)]
-    requests = []
-    for i in range(args.num_requests):
-        n_in = args.input_len or rng.randint(args.min_len, args.max_len)
-        n_out = args.output_len or rng.randint(args.min_len, args.max_len)
-        prefix = prefixes[i % len(prefixes)] if prefixes else []
-        requests.append((prefix + [rng.randint(16, vocab_size - 1) for _ in range(n_in)], n_out))
-    return requests
+    return Workload.throughput(args.num_requests, args.min_len, args.max_len, args.input_len, args.output_len,
+                               args.prefix_len, args.num_prefixes, args.workload_seed, vocab_size)
 
 
 def build_llm(args, **overrides):
     import llmlab
-    from llmlab.bench.single_forward import random_engine
     from llmlab.cli_flags import engine_kwargs
 
     kwargs = dict(engine_kwargs(args), **overrides)
@@ -113,82 +107,56 @@ def build_llm(args, **overrides):
     return llmlab.LLM(args.model, **kwargs)
 
 
-def warm_up(llm, requests, setting: dict, full: bool) -> None:
+def warm_up(llm, workload, setting: dict, full: bool) -> None:
     from llmlab import SamplingParams
 
     if full:
-        llm.generate([ids for ids, _ in requests],
-                     [SamplingParams(max_tokens=n, ignore_eos=True, **setting) for _, n in requests])
+        llm.generate([r.prompt_token_ids for r in workload],
+                     [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **setting) for r in workload])
     else:
-        llm.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, **setting))
+        llm.generate([workload.requests[0].prompt_token_ids[:16]], SamplingParams(max_tokens=4, **setting))
 
 
-def run_llmlab(llm, requests, setting: dict) -> dict:
+def run_llmlab(llm, workload, setting: dict) -> dict:
     from llmlab import SamplingParams
 
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, **setting) for _, n in requests]
-    warm_up(llm, requests, setting, full=False)       # this setting's own kernels
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **setting) for r in workload]
+    warm_up(llm, workload, setting, full=False)       # this setting's own kernels
     llm.engine.block_manager.reset_prefix_cache()     # each setting starts from a cold cache
     dropped = llm.engine.num_dropped_tokens
     start = time.perf_counter()
-    outputs = llm.generate([ids for ids, _ in requests], params, use_tqdm=True)
+    outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    assert tokens == sum(n for _, n in requests)
+    assert tokens == sum(r.output_len for r in workload)
     stats = llm.engine.kv_stats()
     return {"impl": "llmlab", "sampling": describe(setting),
             "prefix_caching": llm.engine.config.enable_prefix_caching,
             "async_scheduling": llm.engine.async_scheduling,
             "dropped_tokens": llm.engine.num_dropped_tokens - dropped,
             "prefix_hit_rate": stats["prefix_hit_rate"], "seconds": elapsed, "output_tokens": tokens,
-            "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": tokens / elapsed}
-
-
-def machine_name(device: str) -> str:
-    """The GPU's name, or the CPU model and core count (CPU numbers vary by host)."""
-    import os
-
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        model = platform.processor() or "cpu"
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+            "requests_per_s": len(workload) / elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
 def hf_model(args, dtype, device):
     """The HF transformers peer: the same folder, or random weights in the same shape."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if args.model == "random-llama3-8b":
-        from llmlab.bench.single_forward import LLAMA3_8B
-
-        config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
-        config._attn_implementation = "sdpa"
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                return LlamaForCausalLM(config).eval()
-        finally:
-            torch.set_default_dtype(torch.float32)
+        return random_hf_model(LLAMA3_8B, dtype, device)
     from llmlab.model.loader import resolve_model
 
     return AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=dtype).to(device).eval()
 
 
 def run_hf(model, requests, batch_size, device) -> dict:
-    """HF generate in static batches (left-padded); a batch runs until its longest output is
-    done, and only the requested tokens count, which is the cost of static batching."""
+    """HF generate in static batches (left-padded) of `requests` (WorkloadRequests); a batch
+    runs until its longest output is done, and only the requested tokens count, which is the
+    cost of static batching."""
     import torch
 
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    requests = [(r.prompt_token_ids, r.output_len) for r in requests]   # (prompt ids, output length)
 
     def generate(batch):
         width = max(len(ids) for ids, _ in batch)
@@ -225,20 +193,20 @@ def main(args) -> list[dict]:
         engine = llm.engine
         meta = engine.dtype, engine.device.type, engine.backend
         vocab = engine.model_config.vocab_size
-        requests = workload(args, vocab)
-        warm_up(llm, requests, settings[0], full=args.warmup == "full")
+        workload = build_workload(args, vocab)
+        warm_up(llm, workload, settings[0], full=args.warmup == "full")
         overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
             for overlap in overlaps:
                 engine.async_scheduling = overlap   # read every step, so it may change between runs
-                results.append(run_llmlab(llm, requests, setting))
+                results.append(run_llmlab(llm, workload, setting))
         del llm, engine
         gc.collect()
         if meta[1] == "cuda":
             torch.cuda.empty_cache()
     dtype, device, backend = meta
     if args.hf:
-        hf_requests = workload(args, vocab)[:args.hf_num_requests or args.num_requests]
+        hf_requests = build_workload(args, vocab).requests[:args.hf_num_requests or args.num_requests]
         results.append(run_hf(hf_model(args, dtype, device), hf_requests, args.hf_batch_size, device))
     name = machine_name(device)
     shared = f", prompts share {args.num_prefixes} prefix(es) of {args.prefix_len} tokens" if args.prefix_len else ""
@@ -254,7 +222,5 @@ def main(args) -> list[dict]:
               f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / first:.3f} |")
     if args.hf:
         print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[-1]['output_tokens_per_s']:.2f}x")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results, indent=2)
     return results

@@ -3,8 +3,8 @@
 the sort that a sort-based top-p would need."""
 from __future__ import annotations
 
-import json
-import time
+from llmlab.bench.common import median_ms, write_json
+from llmlab.machine import machine_name
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -30,32 +30,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None)
 
 
-def _time(fn, device, repeats) -> float:
-    """Median microseconds of fn()."""
-    import torch
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1000)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e6)
-    return sorted(times)[len(times) // 2]
-
-
 def main(args) -> list[dict]:
     import torch
 
     from llmlab import SamplingParams
-    from llmlab.bench.offline import machine_name
     from llmlab.model.llama import LOGITS_DTYPE
     from llmlab.sampling import Sampler
 
@@ -65,6 +43,11 @@ def main(args) -> list[dict]:
     check_device(args.device, device)
     dtype = LOGITS_DTYPE   # what the engine's model hands the sampler, on every device
     sampler = Sampler(backend=args.backend)
+    on_gpu = device.type == "cuda"
+
+    def microseconds(fn) -> float:   # median of --repeats calls after one, CUDA events on a GPU
+        return 1000 * median_ms(fn, repeats=args.repeats, warmup=1, cuda_events=on_gpu)
+
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         gen = torch.Generator(device=device).manual_seed(batch)
@@ -73,9 +56,8 @@ def main(args) -> list[dict]:
         row = {"batch": batch}
         for name, setting in SETTINGS.items():
             params = [SamplingParams(**setting)] * batch
-            row[name] = _time(lambda: sampler(logits, params, seeds, positions).tolist(), device, args.repeats)
-        row["torch.sort (for reference)"] = _time(lambda: logits.float().sort(dim=-1, descending=True),
-                                                  device, args.repeats)
+            row[name] = microseconds(lambda: sampler(logits, params, seeds, positions).tolist())
+        row["torch.sort (for reference)"] = microseconds(lambda: logits.float().sort(dim=-1, descending=True))
         rows.append(row)
     names = list(rows[0])[1:]
     print(f"\nSampler, vocab {args.vocab}, {dtype} logits, on {machine_name(device.type)} "
@@ -84,7 +66,5 @@ def main(args) -> list[dict]:
     print("|---|" + "---|" * len(rows))
     for name in names:
         print(f"| {name} | " + " | ".join(f"{r[name]:.0f}" for r in rows) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.out, rows, indent=2)
     return rows

@@ -16,22 +16,23 @@ first word of its own in front of them (`for_rate`), because a server that cache
 (llmlab's and vLLM's do by default) would otherwise serve a later rate's prompts from the
 cache an earlier rate filled.
 
-Prompts are synthetic by default: lengths drawn from lognormal distributions with the
-means of ShareGPT conversations (161 prompt and 338 output tokens, vLLM paper §6), made of
-random common words (about one token each), or read from a JSONL file of
+Prompts are synthetic by default: `Workload.lognormal`'s lengths, drawn from lognormal
+distributions with the means of ShareGPT conversations (161 prompt and 338 output tokens,
+vLLM paper §6), made of random common words (about one token each), or read from a JSONL file of
 {"prompt": ..., "output_len": ...} lines. `ignore_eos` (a vLLM extension llmlab serve
 accepts) makes every request generate exactly its output length.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-SHAREGPT_MEAN_INPUT_LEN = 161
-SHAREGPT_MEAN_OUTPUT_LEN = 338
+from llmlab.bench.common import write_json
+from llmlab.experiments.workload import (FIRST_TOKEN_ID, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_MEAN_PROMPT_LEN, Workload,
+                                         lognormal_lengths)
+
 # Short, common words: each is one token in LLaMA-family tokenizers when preceded by a space.
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have "
          "from or one had by word but not what all were we when your can said there use an each "
@@ -74,21 +75,15 @@ class RequestResult:
 
 
 # ---- workloads -------------------------------------------------------------------------
-def lognormal_lengths(rng, n: int, mean: float, sigma: float, low: int, high: int) -> list[int]:
-    """n lengths with the given mean before clipping to [low, high] (mu = ln(mean) - sigma^2/2)."""
-    mu = math.log(mean) - sigma ** 2 / 2
-    return [int(min(high, max(low, round(x)))) for x in rng.lognormal(mu, sigma, n)]
-
-
-def synthetic_prompts(num_prompts: int, seed: int = 0, mean_input_len: float = SHAREGPT_MEAN_INPUT_LEN,
+def synthetic_prompts(num_prompts: int, seed: int = 0, mean_input_len: float = SHAREGPT_MEAN_PROMPT_LEN,
                       mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN, sigma: float = 1.0,
                       max_input_len: int = 1024, max_output_len: int = 1024) -> list[Prompt]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    input_lens = lognormal_lengths(rng, num_prompts, mean_input_len, sigma, 4, max_input_len)
-    output_lens = lognormal_lengths(rng, num_prompts, mean_output_len, sigma, 1, max_output_len)
-    return [Prompt(" ".join(rng.choice(WORDS, size=n)), m, n) for n, m in zip(input_lens, output_lens)]
+    """`Workload.lognormal`'s requests as text: its ids are drawn from a vocabulary of WORDS,
+    and each becomes its word."""
+    workload = Workload.lognormal(num_prompts, mean_input_len, mean_output_len, sigma, max_input_len, max_output_len,
+                                  seed=seed, vocab_size=FIRST_TOKEN_ID + len(WORDS))
+    return [Prompt(" ".join(WORDS[i - FIRST_TOKEN_ID] for i in r.prompt_token_ids), r.output_len,
+                   len(r.prompt_token_ids)) for r in workload]
 
 
 def jsonl_prompts(path: str, num_prompts: int, seed: int = 0, mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN,
@@ -107,13 +102,9 @@ def jsonl_prompts(path: str, num_prompts: int, seed: int = 0, mean_output_len: f
 
 
 def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival times (s) of a Poisson process: independent exponential gaps of mean 1/rate."""
-    import numpy as np
-
-    if math.isinf(rate):
-        return [0.0] * num
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, num)
-    return list(np.cumsum(gaps) - gaps[0])    # the first request goes at t = 0
+    """Arrival times (s) of `Workload.poisson` (its prompts unused): independent exponential
+    gaps of mean 1/rate, the first request at t = 0."""
+    return [r.arrival_time for r in Workload.poisson(num, rate, prompt_len=1, output_len=1, seed=seed)]
 
 
 # ---- the client ----------------------------------------------------------------------------
@@ -285,7 +276,7 @@ def add_arguments(parser) -> None:
                         help="requests/s (Poisson); repeat or comma-separate for a sweep; inf = all at once")
     parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", default=None, help='JSONL: {"prompt": str, "output_len": int (optional)}')
-    parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_INPUT_LEN)
+    parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_PROMPT_LEN)
     parser.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT_LEN)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -303,6 +294,5 @@ def main(args) -> None:
     report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed)
     print(format_table(report))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.out, report)
         print(f"wrote {args.out}")

@@ -7,8 +7,9 @@ No model and no GPU: the latency summary an engine would reach, from `llmlab.exp
 """
 from __future__ import annotations
 
-import json
 import time
+
+from llmlab.bench.common import write_json
 
 
 def add_arguments(parser) -> None:
@@ -49,7 +50,5 @@ def main(args) -> dict:
           f"(workload built in {built:.1f} s); {summary['duration_s']:.0f} s of engine time")
     print(" ".join(f"{k}={summary[k]:.4g}" for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "itl_p99",
                                                      "output_tok_s")))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     return report

@@ -3,12 +3,7 @@ over a grid of (batch size, sequence length), llmlab against HF transformers (sd
 the same process; random bf16 weights in the Llama-3-8B shape unless --model is given."""
 from __future__ import annotations
 
-import json
-
-LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                 rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-                 tie_word_embeddings=False, hidden_act="silu", bos_token_id=128000, eos_token_id=128001)
+from llmlab.bench.common import median_ms, random_engine, random_hf_model, write_json
 
 
 def add_arguments(parser) -> None:
@@ -27,61 +22,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size: shard llmlab's model over this many GPUs "
                              "(the HF peer stays on one)")
-
-
-def random_engine_config(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
-                         engine_args: dict | None = None):
-    """The EngineConfig of random_engine: the fields chosen here, then `engine_args` (the
-    EngineConfig flags a command was given). A flag left unset on the command line is None
-    in `args` and keeps the default here."""
-    from llmlab import EngineConfig
-
-    fields = dict(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
-                  tensor_parallel_size=getattr(args, "tp", None) or 1,
-                  enforce_eager=bool(getattr(args, "enforce_eager", None)))
-    fields.update({k: v for k, v in (engine_args or {}).items() if k != "model"})
-    return EngineConfig(**fields)
-
-
-def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
-                  engine_args: dict | None = None):
-    """An LLM with random weights in the Llama-3-8B shape (bf16 on CUDA), no tokenizer.
-    `engine_args`: EngineConfig fields that override the ones chosen here."""
-    from llmlab import LLMEngine
-    from llmlab.config import ModelConfig
-    from llmlab.engine.llm import LLM
-    from llmlab.engine.model_runner import check_device
-    from llmlab.model.llama import LlamaModel
-
-    hf = dict(LLAMA3_8B)
-    if getattr(args, "layers", None):
-        hf["num_hidden_layers"] = args.layers
-    config = random_engine_config(args, num_gpu_blocks, max_num_seqs, max_num_batched_tokens, engine_args)
-    device = config.resolved_device()
-    check_device(config.device, device)
-    if device.type != "cuda":   # 8B parameters: 32 GB in float32, built before any other check
-        raise ValueError("--model random-llama3-8b (random weights in the Llama-3-8B shape) needs a CUDA "
-                         f"device, not {config.device!r}; on a CPU, leave --model out (the embedded model)")
-    model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
-    return LLM.from_engine(LLMEngine(config, model=model)), hf
-
-
-def _time_cuda(fn, repeats=10, warmup=3) -> float:
-    """Median milliseconds of fn() by CUDA events."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _profile(fn, title) -> None:
@@ -108,9 +48,9 @@ def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
     prefill_ms = None
     if do_prefill:
         inputs = runner.prepare(dummy_plan(block_size, prefills=[(seq_len, seq_len)] * batch_size))
-        prefill_ms = _time_cuda(lambda: runner.forward(*inputs))
+        prefill_ms = median_ms(lambda: runner.forward(*inputs))
     inputs = runner.prepare(dummy_plan(block_size, decodes=[seq_len + 1] * batch_size))
-    decode_ms = _time_cuda(lambda: runner.forward(*inputs), repeats=20)
+    decode_ms = median_ms(lambda: runner.forward(*inputs), repeats=20)
     if profile:
         _profile(lambda: runner.forward(*inputs, eager=True), f"eager decode step, batch {batch_size}, context {seq_len}")
     return prefill_ms, decode_ms
@@ -124,7 +64,7 @@ def hf_cells(model, batch_size, seq_len, do_prefill, vocab):
     prefill_ms = None
     with torch.inference_mode():
         if do_prefill:
-            prefill_ms = _time_cuda(lambda: model(ids, logits_to_keep=1), repeats=5)
+            prefill_ms = median_ms(lambda: model(ids, logits_to_keep=1), repeats=5)
         cache = DynamicCache(config=model.config)
         model(ids, past_key_values=cache, logits_to_keep=1)
         step = torch.randint(16, vocab, (batch_size, 1), device="cuda")
@@ -133,7 +73,7 @@ def hf_cells(model, batch_size, seq_len, do_prefill, vocab):
             model(step, past_key_values=cache, logits_to_keep=1)
             cache.crop(seq_len)
 
-        decode_ms = _time_cuda(decode, repeats=20)
+        decode_ms = median_ms(decode, repeats=20)
     return prefill_ms, decode_ms
 
 
@@ -161,16 +101,7 @@ def main(args) -> list[dict]:
             engine.executor.shutdown()
         del llm, engine
         torch.cuda.empty_cache()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(**{k: v for k, v in hf_config.items() if k != "model_type"})
-        config._attn_implementation = "sdpa"
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                model = LlamaForCausalLM(config).eval()   # random init (normal, std 0.02)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        model = random_hf_model(hf_config, torch.bfloat16, "cuda")
         for b, s in cells:
             p, d = hf_cells(model, b, s, b * s <= args.prefill_tokens_max, hf_config["vocab_size"])
             results.append({"impl": "hf-transformers (sdpa)", "batch_size": b, "seq_len": s,
@@ -181,7 +112,5 @@ def main(args) -> list[dict]:
     for r in results:
         p = "-" if r["prefill_ms"] is None else f"{r['prefill_ms']:.2f}"
         print(f"| {r['impl']} | {r['batch_size']} | {r['seq_len']} | {p} | {r['decode_ms']:.2f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": name, "results": results}, f, indent=2)
+    write_json(args.out, {"device": name, "results": results}, indent=2)
     return results

@@ -14,8 +14,8 @@ from plotly.subplots import make_subplots
 from llmlab.experiments.cost_model import CostModel, swapped_blocks
 from llmlab.experiments.result import Result, step_durations
 from llmlab.experiments.workload import Workload
+from llmlab.machine import machine_note
 from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS
-from llmlab.viz.machine import machine_note
 
 METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)", "itl": "inter-token latency (s)"}
 SUMMARY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")

@@ -14,6 +14,7 @@ from llmlab.engine.engine import LLMEngine
 from llmlab.experiments.result import Result
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import Recorder
+from llmlab.machine import machine_info
 from llmlab.policies import resolve_policy
 from llmlab.sampling import SamplingParams
 
@@ -84,19 +85,9 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         for request_id in list(engine.requests):   # interrupted: leave the engine idle
             engine.abort(request_id)
     meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"],
-            "machine": _machine_info()}
+            "machine": machine_info()}
     return Result.from_trace(recorder.trace, arrivals, origin=start,
                              priorities={r.request_id: r.priority for r in workload}, meta=meta)
-
-
-def _machine_info() -> dict | None:
-    """What measured the times, and how busy it was (a figure of them says so); None where
-    llmlab.viz cannot be imported (no plotly, e.g. on a bare GPU box)."""
-    try:
-        from llmlab.viz.machine import machine_info
-    except ModuleNotFoundError:
-        return None
-    return machine_info()
 
 
 def _engine(config_or_engine) -> LLMEngine:

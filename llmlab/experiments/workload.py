@@ -10,6 +10,9 @@ Arrivals (seconds from the start of the experiment):
 
 Lengths are given as an int (fixed), a (low, high) pair (uniform, inclusive), or a list of
 lengths to draw from (an empirical distribution, e.g. `read_lengths("sharegpt.jsonl")`).
+Two constructors draw lengths their own way, as the benchmarks that measure with them do:
+`lognormal` (vLLM's synthetic ShareGPT-like lengths, `llmlab bench serving`) and
+`throughput` (nano-vllm's offline benchmark, `llmlab bench offline`).
 Prompts are random token ids (what a scheduler sees is only lengths and shared prefixes);
 ids start at 16 to stay clear of special tokens. Everything is seeded: the same arguments
 give the same workload. `save_jsonl` / `from_jsonl` round-trip a workload exactly.
@@ -18,11 +21,15 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 FIRST_TOKEN_ID = 16     # ids below this are often special tokens (bos, eos, pad, ...)
+# mean prompt and output lengths of ShareGPT conversations, in tokens (vLLM paper §6)
+SHAREGPT_MEAN_PROMPT_LEN = 161
+SHAREGPT_MEAN_OUTPUT_LEN = 338
 
 
 @dataclass
@@ -114,6 +121,44 @@ class Workload:
         return cls([WorkloadRequest(str(i), float(t), prefixes[g] + _random_ids(rng, n, vocab_size), int(m))
                     for i, (t, g, n, m) in enumerate(zip(arrivals, groups, suffix_lens, output_lens))])
 
+    @classmethod
+    def lognormal(cls, num_requests: int, mean_prompt_len: float = SHAREGPT_MEAN_PROMPT_LEN,
+                  mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN, sigma: float = 1.0, max_prompt_len: int = 1024,
+                  max_output_len: int = 1024, rate: float = math.inf, seed: int = 0,
+                  vocab_size: int = 32000) -> "Workload":
+        """Prompt and output lengths from lognormal distributions with the given means (before
+        clipping to [4, max_prompt_len] and [1, max_output_len]): vLLM's synthetic stand-in
+        for ShareGPT conversations. Arrivals Poisson at `rate`."""
+        rng = np.random.default_rng(seed)
+        arrivals = _arrivals(rng, num_requests, rate, 1.0)
+        prompt_lens = lognormal_lengths(rng, num_requests, mean_prompt_len, sigma, 4, max_prompt_len)
+        output_lens = lognormal_lengths(rng, num_requests, mean_output_len, sigma, 1, max_output_len)
+        return cls([WorkloadRequest(str(i), float(t), _random_ids(rng, n, vocab_size), int(m))
+                    for i, (t, n, m) in enumerate(zip(arrivals, prompt_lens, output_lens))])
+
+    @classmethod
+    def throughput(cls, num_requests: int, min_len: int = 100, max_len: int = 1024, prompt_len: int | None = None,
+                   output_len: int | None = None, prefix_len: int = 0, num_prefixes: int = 1, seed: int = 0,
+                   vocab_size: int = 32000) -> "Workload":
+        """nano-vllm's throughput benchmark: every request at t = 0, prompt and output
+        lengths each uniform in [min_len, max_len] unless fixed by prompt_len / output_len.
+        With prefix_len, request i's prompt starts with shared prefix i % num_prefixes of
+        that many tokens. Drawn with Python's `random`, not numpy as the others are: a seed
+        gives the requests `llmlab bench offline` has always measured with."""
+        if not (prompt_len and output_len) and not 0 < min_len <= max_len:
+            raise ValueError(f"min_len {min_len} and max_len {max_len}: need 0 < min_len <= max_len")
+        rng = random.Random(seed)
+        prefixes = [[rng.randint(FIRST_TOKEN_ID, vocab_size - 1) for _ in range(prefix_len)]
+                    for _ in range(num_prefixes if prefix_len else 0)]
+        requests = []
+        for i in range(num_requests):
+            n_in = prompt_len or rng.randint(min_len, max_len)
+            n_out = output_len or rng.randint(min_len, max_len)
+            prefix = prefixes[i % len(prefixes)] if prefixes else []
+            ids = prefix + [rng.randint(FIRST_TOKEN_ID, vocab_size - 1) for _ in range(n_in)]
+            requests.append(WorkloadRequest(str(i), 0.0, ids, n_out))
+        return cls(requests)
+
     # ---- files -----------------------------------------------------------------------------
     def save_jsonl(self, path) -> None:
         with open(path, "w") as f:
@@ -159,6 +204,12 @@ def read_lengths(path, key: str = "output_len") -> list[int]:
     if not lengths:
         raise ValueError(f"{path}: no lines with {key!r}")
     return lengths
+
+
+def lognormal_lengths(rng, n: int, mean: float, sigma: float, low: int, high: int) -> list[int]:
+    """n lengths with the given mean before clipping to [low, high] (mu = ln(mean) - sigma^2/2)."""
+    mu = math.log(mean) - sigma ** 2 / 2
+    return [int(min(high, max(low, round(x)))) for x in rng.lognormal(mu, sigma, n)]
 
 
 def _arrivals(rng, num: int, rate: float, cv: float) -> np.ndarray:

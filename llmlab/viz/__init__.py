@@ -11,12 +11,12 @@ model_figures.py those of tensors and kernel launches (attention, what each kern
 and how it divides the work); widgets.py drives an engine; playground.py a bare BlockManager
 or exercise 09's allocator. Every figure numbers steps from the start of its trace.
 """
+from llmlab.machine import is_busy, machine_info, machine_note
 from llmlab.viz.block_figures import block_manager_state, block_table, cached_tokens, engine_state
 from llmlab.viz.figures import batch_composition, memory_usage, request_color, request_states, request_timeline
 from llmlab.viz.model_figures import (Launch, attention_heatmap, attention_probs, decode_split_ranges, decode_splits,
                                       kernel_benchmark, online_softmax_steps, prefill_tile_schedule, prefill_tiles,
                                       program_map, record_launches, rope_rotation, token_distribution)
-from llmlab.viz.machine import is_busy, machine_info, machine_note
 from llmlab.viz.playground import BlockPlayground
 from llmlab.viz.timing_figures import (kernel_timings, latency_comparison, phase_timings, prefix_hits,
                                        request_latencies, serving_latency)

@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from llmlab.config import ModelConfig
 from llmlab.engine.parallel.pipeline import StageSpan
 from llmlab.engine.parallel.placement import RankLayout, stage_layers
+from llmlab.machine import machine_note
 from llmlab.model.tensor_parallel import kv_heads_of_rank, padded_vocab_size
-from llmlab.viz.machine import machine_note
 
 RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 

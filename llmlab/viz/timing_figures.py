@@ -11,8 +11,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from llmlab.hooks import Trace
+from llmlab.machine import is_busy, machine_note
 from llmlab.viz.figures import SHARED, STATE_COLORS
-from llmlab.viz.machine import is_busy, machine_note
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 

@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass
 
 from llmlab.hooks import Recorder, Trace
+from llmlab.machine import machine_info
 from llmlab.sampling import SamplingParams
 from llmlab.viz import block_figures, figures
-from llmlab.viz.machine import machine_info
 
 
 def has_widget_frontend() -> bool:

@@ -1,0 +1,247 @@
+"""What the benchmarks share: the Llama-3-8B shape, timers, paged KV caches for the kernel
+benchmarks, engines (and HF peers) on random weights, and writing results to --out.
+
+    from llmlab.bench.common import median_ms, paged_cache, random_engine, write_json
+    ms = median_ms(lambda: runner.forward(*inputs), repeats=20)     # CUDA events, median of 20
+    k_cache, v_cache, block_tables = paged_cache([4096] * 64)       # random K/V, shuffled blocks
+
+Each timer is one way of measuring, used by the benchmarks that measure that way, so
+their numbers stay comparable from run to run:
+  * median_ms: the median of single calls, timed by CUDA events (device time of each call,
+    launch gaps included) or by the wall clock (perf_counter), after a few untimed calls;
+  * kernel_time_ms: Triton's do_bench on calls that cycle through inputs larger than L2,
+    replayed from a CUDA graph and launched eagerly (bench kernels, decode-variants);
+  * graph_replay_ms: many calls captured in one CUDA graph, the mean over its replays
+    (bench gemv: weights streamed from HBM, no launch gaps).
+The machine a time was measured on is in llmlab/machine.py.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+
+import torch
+
+# Llama-3-8B: the shape the GPU benchmarks measure (on random weights)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+HIDDEN, INTERMEDIATE, VOCAB_SIZE = 4096, 14336, 128256
+# its config.json, for LlamaModel.random and the HF peer
+LLAMA3_8B = dict(model_type="llama", vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                 num_hidden_layers=32, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+                 head_dim=HEAD_DIM, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                 tie_word_embeddings=False, hidden_act="silu", bos_token_id=128000, eos_token_id=128001)
+# its weights as [out, in] matrices: what one decode step streams from HBM
+LLAMA3_8B_WEIGHTS = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN),
+                     "o_proj": (HIDDEN, NUM_HEADS * HEAD_DIM), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+                     "down": (HIDDEN, INTERMEDIATE), "lm_head": (VOCAB_SIZE, HIDDEN)}
+# the same layout at a few MB (GQA 4, head_dim a power of two): a CPU runs it in seconds
+SMALL_LLAMA = dict(LLAMA3_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=32)
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- timing
+
+def median_ms(fn, repeats: int = 10, warmup: int = 3, cuda_events: bool = True) -> float:
+    """Median milliseconds of fn() over `repeats` calls, after `warmup` untimed ones. With
+    cuda_events, each call is timed on the GPU between two CUDA events; otherwise by the
+    wall clock around the call (host work included)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_time_ms(make_call, bytes_per_call=0, graph=True) -> tuple[float, float]:
+    """Median ms of one call: (device time, eager time). make_call(i) builds the i-th
+    input set and returns a zero-argument function; enough sets are built that together
+    they exceed L2 4x, and calls cycle through them.
+
+    Device time replays the calls from a CUDA graph, as the engine's decode does: it is
+    what the GPU spends. Eager time launches each call from Python (do_bench), so it also
+    pays the launch cost -- tens of microseconds for a Triton kernel, more than several
+    of these kernels take on the GPU. graph=False reports eager time for both: for calls
+    that sync with the host (they cannot be captured) and for plain copies (captured,
+    they become copy-engine nodes, slower than the copy kernel).
+    """
+    import triton.testing
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    copies = max(1, min(32, math.ceil(4 * l2 / bytes_per_call))) if bytes_per_call else 1
+    rotation = itertools.cycle([make_call(i) for i in range(copies)])
+
+    def call():
+        return next(rotation)()
+
+    call()  # compile outside the timings
+    eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+    if not graph:
+        return eager, eager
+    return triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median"), eager
+
+
+def capture_graph(calls):
+    """`calls` (functions of no arguments) captured in one CUDA graph, as the engine captures
+    a decode step, after one run on a side stream (compiles, cuBLAS workspace); returns the
+    graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph.replay
+
+
+def graph_replay_ms(calls, repeats=10) -> float:
+    """Milliseconds per call of `calls` replayed as one CUDA graph: one replay untimed, then
+    two events around `repeats` replays (a mean, not a median)."""
+    replay = capture_graph(calls)
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats / len(calls)
+
+
+# ----------------------------------------------------------------------------- paged KV caches
+
+QUANTIZED_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantized_cache_dtypes(device="cuda") -> dict:
+    """The 8-bit caches a device runs: int8 everywhere, fp8 e4m3 from compute capability 8.9
+    (and both in Triton's interpreter, on a CPU)."""
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return {"int8": torch.int8}
+    return dict(QUANTIZED_CACHE_DTYPES)
+
+
+def paged_cache(seq_lens, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=DTYPE,
+                device="cuda", generator=None):
+    """Random K/V for sequences of the given lengths in shuffled blocks: (k_cache, v_cache,
+    block_tables), caches [num_blocks, block_size, num_kv_heads, head_dim], block tables
+    int32 [len(seq_lens), most blocks]. With a (CPU) `generator` the values are drawn on
+    the CPU and moved, so a seed gives the same cache on every device; without one, on
+    `device` from torch's global generator."""
+    blocks = [math.ceil(n / block_size) for n in seq_lens]
+    if generator is None:
+        ids = torch.randperm(sum(blocks), device=device)
+    else:
+        ids = torch.randperm(sum(blocks), generator=generator)
+    ids = ids.to(torch.int32)
+    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
+    offsets = [0] + list(itertools.accumulate(blocks))
+    for i, n in enumerate(blocks):
+        block_tables[i, :n] = ids[offsets[i]:offsets[i] + n]
+    shape = (sum(blocks), block_size, num_kv_heads, head_dim)
+
+    def randn():
+        if generator is None:
+            return torch.randn(shape, device=device, dtype=dtype)
+        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    return randn(), randn(), block_tables
+
+
+def quantize_paged_cache(k_cache, v_cache, block_tables, cache_dtype):
+    """A paged cache's K/V quantized as store_kv would: (k codes, v codes, block_tables,
+    k scales, v scales), scales float32 [num_blocks, block_size, num_kv_heads]."""
+    from llmlab.kernels import reference
+
+    (k_codes, k_scales), (v_codes, v_scales) = (reference.quantize(c, cache_dtype) for c in (k_cache, v_cache))
+    return k_codes, v_codes, block_tables, k_scales, v_scales
+
+
+# ----------------------------------------------------------------------------- random weights
+
+def random_engine_config(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
+                         engine_args: dict | None = None):
+    """The EngineConfig of random_engine: the fields chosen here, then `engine_args` (the
+    EngineConfig flags a command was given). A flag left unset on the command line is None
+    in `args` and keeps the default here."""
+    from llmlab import EngineConfig
+
+    fields = dict(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
+                  tensor_parallel_size=getattr(args, "tp", None) or 1,
+                  enforce_eager=bool(getattr(args, "enforce_eager", None)))
+    fields.update({k: v for k, v in (engine_args or {}).items() if k != "model"})
+    return EngineConfig(**fields)
+
+
+def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
+                  engine_args: dict | None = None):
+    """(LLM, its HF config): random weights in the Llama-3-8B shape (bf16 on CUDA; `args.layers`,
+    when set, fewer layers), no tokenizer. `engine_args`: EngineConfig fields that override
+    the ones chosen here."""
+    from llmlab.engine.llm import LLM
+    from llmlab.engine.model_runner import check_device
+
+    hf = dict(LLAMA3_8B)
+    if getattr(args, "layers", None):
+        hf["num_hidden_layers"] = args.layers
+    config = random_engine_config(args, num_gpu_blocks, max_num_seqs, max_num_batched_tokens, engine_args)
+    device = config.resolved_device()
+    check_device(config.device, device)
+    if device.type != "cuda":   # 8B parameters: 32 GB in float32, built before any other check
+        raise ValueError("--model random-llama3-8b (random weights in the Llama-3-8B shape) needs a CUDA "
+                         f"device, not {config.device!r}; on a CPU, leave --model out (the embedded model)")
+    return LLM.from_engine(engine_with_random_weights(config, hf)), hf
+
+
+def engine_with_random_weights(config, hf: dict):
+    """An LLMEngine for `config` on a model of random weights in the shape of `hf` (a HF
+    config.json as a dict), in the config's dtype and on its device."""
+    from llmlab import LLMEngine
+    from llmlab.config import ModelConfig
+    from llmlab.model.llama import LlamaModel
+
+    model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
+    return LLMEngine(config, model=model)
+
+
+def random_hf_model(hf: dict, dtype, device):
+    """The HF transformers peer on random weights (its own init: normal, std 0.02) in the
+    shape of `hf`, with SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+# ----------------------------------------------------------------------------- results
+
+def write_json(path, data, indent=1) -> None:
+    """Write a benchmark's results as JSON to `path` (its --out); nothing when path is None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=indent)
