@@ -1,7 +1,42 @@
-"""Scheduling policies, as the Scheduler takes them: a key function of a Request, smaller
-key = higher priority. The key orders three decisions (llmlab/scheduler.py): who is
-admitted from the waiting queue first, who comes back from swap first, and who is
-preempted when KV blocks run out (the running request with the largest key).
+"""Scheduling policies: every decision the scheduler leaves open, as the methods of one object.
+
+`llmlab/scheduler.py` plans each step in four phases (decodes, running prefills, swapped,
+waiting) and asks its `SchedulingPolicy` at every choice:
+
+  key(request, now)                  the order of the queues, smaller = more important: who
+                                     is admitted and comes back from swap first, who is
+                                     preempted last (default: arrival time, FCFS)
+  admit(request, now) -> bool        admission control: may this waiting request start now?
+                                     False defers it to a later step, and the requests behind
+                                     it are asked in turn (default: True)
+  prefill_budget(num_decode_tokens, token_budget, now) -> int
+                                     tokens for prompt chunks (and requests swapped back in)
+                                     this step, beside its decodes (default: all that is left,
+                                     token_budget - num_decode_tokens: SARATHI §4)
+  preempt_victim(running, now)       the running request to preempt when KV blocks run out;
+                                     `running` is ordered by key, most important first
+                                     (default: running[-1], the least important)
+  preempts_on_arrival(request, now) -> bool
+                                     may a waiting request that finds no free slot or blocks
+                                     preempt a running one? It does only if it outranks the
+                                     victim (a smaller key): else the two could take turns
+                                     preempting each other forever (default: False)
+  on_step(outcome, now)              sees every step's StepOutcome (llmlab/plan.py: requests
+                                     that got a token, finished, blocks freed) for a policy
+                                     that adapts; it observes, it plans nothing (default: nothing)
+
+`now` is seconds since the experiment started, on one clock for the engine, the simulator
+and the server, and `request.arrival_time` is on the same clock: in `run()` both count from
+the workload's t = 0 on the wall clock, in `simulate()` both are the simulated time, and an
+engine or a server counts from when its engine was built (`Scheduler.now()`). So a policy
+that ages requests (`now - request.arrival_time`) decides the same in all of them.
+
+The scheduler keeps two rules whatever the policy says, so that no policy can stall an
+engine: `admit` is asked only while some request runs (with nothing running a deferral would
+only leave the device idle), and a step with no decode gets the whole budget left when
+`prefill_budget` gives less than one token. The budget never exceeds what the decodes left.
+
+The built-ins, by name (POLICIES; each also a class here):
 
   fcfs                    arrival order (vLLM's default; Orca's iteration-level FCFS)
   shortest_prompt_first   fewest prompt tokens first: short prompts stop queueing behind
@@ -9,53 +44,180 @@ preempted when KV blocks run out (the running request with the largest key).
   shortest_output_first   fewest output tokens first: shortest-job-first with an oracle
                           that knows output lengths (the best a length predictor could do)
   priority                the workload's `priority` field (lower = more important), then
-                          arrival: under memory pressure the least important running
-                          request is preempted first, and a newcomer that outranks a
-                          running request preempts it when no slot or blocks are free
-                          (vLLM's priority scheduling: run() and simulate() set the
-                          scheduler's preempt_for_priority)
+                          arrival: under memory pressure the least important running request
+                          is preempted first, and a newcomer that outranks a running request
+                          preempts it when no slot or blocks are free (vLLM's priority
+                          scheduling). On a server every request has priority 0.
 
-`resolve_policy` turns one of these names into its key function (llmlab.experiments' run()
-and simulate() take a name). Your own key function works the same way:
-`Scheduler(..., policy=my_key)`, `LLMEngine(..., policy=my_key)` or
-`run(workload, engine, policy=my_key)`.
+Writing one: subclass SchedulingPolicy and override what you decide; the rest stays FCFS.
+
+    from llmlab.policies import SchedulingPolicy
+
+    class Paced(SchedulingPolicy):
+        # at most `chunk` prompt tokens a step (a steadier time between tokens), and a prompt
+        # longer than `long` waits up to `hold` seconds while the short ones go first
+        def __init__(self, chunk=64, long=256, hold=2.0):
+            self.chunk, self.long, self.hold = chunk, long, hold
+
+        def prefill_budget(self, num_decode_tokens, token_budget, now):
+            return min(self.chunk, token_budget - num_decode_tokens)
+
+        def admit(self, request, now):
+            return len(request.prompt_token_ids) <= self.long or now - request.arrival_time >= self.hold
+
+A plain key function of a Request (smaller = more important) still works: it is wrapped as
+a policy whose `key` ignores `now`. Wherever a policy is taken, `resolve_policy` accepts a
+name above, a SchedulingPolicy (or its class), a key function, or "module:Name" (Name in an
+importable module, or "path/to/file.py:Name"):
+`Scheduler(..., policy=)`, `LLMEngine(config, policy=)`, `experiments.run(workload, engine,
+policy=)`, `experiments.simulate(..., policy=)`, `llmlab serve --policy module:Name` and
+`llmlab bench simulate --policy module:Name`. A policy object keeps its state between runs:
+give each run a new one if it adapts.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmlab.request import Request
 
-if TYPE_CHECKING:   # only the annotation: the scheduler's layer does not import experiments
+if TYPE_CHECKING:   # only annotations: the scheduler's layer does not import experiments
     from llmlab.experiments.workload import Workload
+    from llmlab.plan import StepOutcome
 
 POLICIES = ("fcfs", "shortest_prompt_first", "shortest_output_first", "priority")
 
 
-def fcfs(request: Request):
-    """First come, first served: earlier arrival = higher priority."""
-    return request.arrival_time
+class SchedulingPolicy:
+    """The scheduler's decisions (module docstring); each default is FCFS as llmlab always did."""
+
+    @property
+    def name(self) -> str:
+        """How results and traces name the policy: the class's name unless it says otherwise."""
+        return type(self).__name__
+
+    # read like a key function's name (run() records it; notebooks check engine.scheduler.policy.__name__)
+    __name__ = property(lambda self: self.name)
+
+    def key(self, request: Request, now: float):
+        return request.arrival_time
+
+    def admit(self, request: Request, now: float) -> bool:
+        return True
+
+    def prefill_budget(self, num_decode_tokens: int, token_budget: int, now: float) -> int:
+        return token_budget - num_decode_tokens
+
+    def preempt_victim(self, running: list[Request], now: float) -> Request:
+        return running[-1]
+
+    def preempts_on_arrival(self, request: Request, now: float) -> bool:
+        return False
+
+    def on_step(self, outcome: StepOutcome, now: float) -> None:
+        pass
 
 
-def shortest_prompt_first(request: Request):
-    return (len(request.prompt_token_ids), request.arrival_time)
+class FCFS(SchedulingPolicy):
+    """First come, first served: the base class's decisions, unchanged."""
+    name = "fcfs"
 
 
-def shortest_output_first(request: Request):
-    return (request.params.max_tokens, request.arrival_time)
+class ShortestPromptFirst(SchedulingPolicy):
+    name = "shortest_prompt_first"
+
+    def key(self, request, now):
+        return (len(request.prompt_token_ids), request.arrival_time)
 
 
-def resolve_policy(policy, workload: Workload):
-    """The key function for `policy` (a name in POLICIES or a callable) on this workload."""
-    if callable(policy):
+class ShortestOutputFirst(SchedulingPolicy):
+    name = "shortest_output_first"
+
+    def key(self, request, now):
+        return (request.params.max_tokens, request.arrival_time)
+
+
+class Priority(SchedulingPolicy):
+    """`priorities`: request id -> priority (lower = more important; missing = 0)."""
+    name = "priority"
+
+    def __init__(self, priorities: dict[str, int] | None = None):
+        self.priorities = dict(priorities or {})
+
+    def key(self, request, now):
+        return (self.priorities.get(request.request_id, 0), request.arrival_time)
+
+    def preempts_on_arrival(self, request, now):
+        return True
+
+
+class KeyFunction(SchedulingPolicy):
+    """A plain key function of a Request as a policy: FCFS's decisions in its order."""
+
+    def __init__(self, function):
+        self.function = function
+
+    @property
+    def name(self) -> str:
+        return getattr(self.function, "__name__", type(self.function).__name__)
+
+    def key(self, request, now):
+        return self.function(request)
+
+
+# the stateless built-ins as objects: LLMEngine(config, policy=llmlab.policies.shortest_prompt_first)
+fcfs = FCFS()
+shortest_prompt_first = ShortestPromptFirst()
+shortest_output_first = ShortestOutputFirst()
+
+
+def resolve_policy(policy, workload: Workload | None = None) -> SchedulingPolicy:
+    """The SchedulingPolicy for `policy`: a name in POLICIES ("priority" reads the workload's
+    priorities), a SchedulingPolicy or its class, "module:Name", or a key function."""
+    if isinstance(policy, SchedulingPolicy):
         return policy
-    if policy == "fcfs":
-        return fcfs
-    if policy == "shortest_prompt_first":
-        return shortest_prompt_first
-    if policy == "shortest_output_first":
-        return shortest_output_first
+    if isinstance(policy, type) and issubclass(policy, SchedulingPolicy):
+        return policy()
+    if callable(policy):
+        return KeyFunction(policy)
+    if isinstance(policy, str) and ":" in policy:
+        return resolve_policy(load_policy(policy), workload)
     if policy == "priority":
-        priorities = {r.request_id: r.priority for r in workload}
-        return lambda request: (priorities.get(request.request_id, 0), request.arrival_time)
-    raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)} or a key function of a Request")
+        return Priority({r.request_id: r.priority for r in workload} if workload is not None else None)
+    builtins = {"fcfs": FCFS, "shortest_prompt_first": ShortestPromptFirst, "shortest_output_first": ShortestOutputFirst}
+    if policy in builtins:
+        return builtins[policy]()
+    raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}, a SchedulingPolicy, "
+                     f"'module:Name' or a key function of a Request")
+
+
+def load_policy(spec: str):
+    """What "module:Name" names: Name in an importable module, or in a file ("dir/file.py:Name")."""
+    module_name, _, attribute = spec.rpartition(":")   # (a Windows path has a colon of its own)
+    if not module_name or not attribute:
+        raise ValueError(f"policy {spec!r}: write module:Name (or path/to/file.py:Name)")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"policy {spec!r}: no file {path}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module    # registered before it runs, as an import would (dataclasses need it)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name.split(".")[0] and err.name != module_name:
+                raise      # the module was found, and itself imports something missing
+            raise ValueError(f"policy {spec!r}: no module {module_name!r} on the Python path "
+                             f"(set PYTHONPATH, or give the file: path/to/{module_name.split('.')[-1]}.py:{attribute})") from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"policy {spec!r}: {module_name} has no {attribute!r}")
+    found = getattr(module, attribute)
+    if not (isinstance(found, SchedulingPolicy) or callable(found)):
+        raise ValueError(f"policy {spec!r} is a {type(found).__name__}, not a SchedulingPolicy or a key function")
+    return found

@@ -4,14 +4,16 @@ Every engine step asks `Scheduler.schedule()` for a Plan: which requests run thi
 how many tokens each, which are preempted, swapped out or swapped back in, and which new
 KV blocks were allocated. The engine applies the plan; the scheduler never touches tensors.
 
-The policy, in order of priority, under a budget of `max_num_batched_tokens` tokens:
+The phases, in order of priority, under a budget of `max_num_batched_tokens` tokens:
   1. every running request that is decoding gets its one token; when blocks run out the
-     lowest-priority running request is preempted (swap or recompute), newest first;
+     policy's victim (by default the lowest-priority running request) is preempted (swap
+     or recompute);
   2. running requests still prefilling get the next chunk of their prompt (preempting as
-     in 1 when not one more token fits);
+     in 1 when not one more token fits), within the policy's prefill budget (by default
+     what the decodes left: SARATHI §4, chunk = token budget - decodes);
   3. swapped-out requests come back when their blocks fit;
-  4. waiting requests are admitted, highest priority first, with a prompt chunk of
-     at most the remaining budget (SARATHI §4: chunk = token budget - decodes).
+  4. waiting requests the policy admits are admitted, highest priority first, with a
+     prompt chunk of at most the remaining budget.
 Steps 3-4 are skipped in a step that had to preempt, so a victim is not immediately
 replaced by a newcomer: preempted requests are older and get back in first (no starvation).
 Each step is one method below (`_schedule_decodes` ... `_schedule_waiting`).
@@ -28,16 +30,22 @@ a step later. A request whose pending token surely ends it (max_tokens, the cont
 scheduled again; one that a pending EOS or stop ends has decoded one token too many, which
 `resolve` drops (its blocks are freed then).
 
-`policy` orders requests by priority; FCFS (arrival order) by default. Pass another key
-function (llmlab/policies.py has shortest prompt first and others) to change who is
-admitted and who is preempted.
+Every choice left open is the policy's (a SchedulingPolicy, llmlab/policies.py; FCFS by
+default): the order of the queues (`key`), whether a waiting request is admitted (`admit`),
+the step's prompt-token budget (`prefill_budget`), who is preempted (`preempt_victim`,
+`preempts_on_arrival`), and it sees each step's outcome (`on_step`). Each is given `now`,
+seconds on the experiment's clock: `schedule(now)` and `update(..., now)` take it (the
+simulator passes its simulated time); without it, `now()` reads the wall clock from
+`clock_origin`, which `experiments.run` sets to the workload's t = 0.
 """
 from __future__ import annotations
+
+import time
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
-from llmlab.policies import fcfs
+from llmlab.policies import SchedulingPolicy, fcfs, resolve_policy
 from llmlab.request import Request, RequestStatus
 
 # the value of an output token the host has not read yet (never fed to the model: the
@@ -50,12 +58,10 @@ class Scheduler:
                  policy=fcfs, eos_token_ids=()):
         self.config = config
         self.blocks = block_manager
-        self.policy = policy
+        self.policy: SchedulingPolicy = resolve_policy(policy)   # a name, an object or a key function
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)   # a request stops on these unless it ignores EOS
-        # vLLM's priority scheduling: a waiting request that outranks a running one (a smaller
-        # policy key) preempts it when it finds no free slot or blocks (off: it waits)
-        self.preempt_for_priority = False
+        self.clock_origin = time.perf_counter()    # now() = 0 here
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -63,6 +69,11 @@ class Scheduler:
         self.token_budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             self.token_budget = max(self.token_budget, max_model_len)
+
+    def now(self) -> float:
+        """Seconds since `clock_origin` on the wall clock: the engine's `now` for the policy,
+        and the clock of the requests' arrival_time (the engine stamps them with it)."""
+        return time.perf_counter() - self.clock_origin
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -92,11 +103,12 @@ class Scheduler:
         return freed
 
     # ---- after the step --------------------------------------------------------------
-    def update(self, plan: Plan, sampled=None) -> StepOutcome:
+    def update(self, plan: Plan, sampled=None, now: float | None = None) -> StepOutcome:
         """The bookkeeping after the step ran `plan` (with async scheduling: was launched):
         computed tokens advance and full blocks are hashed for every item, and each of
         plan.sampling_items gets a placeholder for its token. Then, when `sampled` is given
-        (token ids in that order: a list, or a tensor, read here), `resolve` fills them in.
+        (token ids in that order: a list, or a tensor, read here), `resolve` fills them in
+        (and the policy's on_step sees the outcome at `now`, default `now()`).
         Requests that finished while the step was in flight are skipped: their work is dropped."""
         if sampled is not None and len(sampled) != len(plan.sampling_items):
             raise ValueError(f"{len(sampled)} sampled tokens for the plan's {len(plan.sampling_items)} sampling items")
@@ -111,12 +123,14 @@ class Scheduler:
                 request.token_pending = True
         if sampled is None:
             return StepOutcome()
-        return self.resolve([item.request for item in plan.sampling_items], sampled)
+        return self.resolve([item.request for item in plan.sampling_items], sampled, now)
 
-    def resolve(self, requests: list[Request], sampled) -> StepOutcome:
+    def resolve(self, requests: list[Request], sampled, now: float | None = None) -> StepOutcome:
         """The tokens of a step whose update had none: requests[i] (plan.sampling_items'
         requests, in order) sampled sampled[i]. Each pending placeholder becomes its token and
-        the request is finished if done; a request finished meanwhile drops its token."""
+        the request is finished if done; a request finished meanwhile drops its token. The
+        policy's on_step sees the outcome: once per step, when its tokens are known (with
+        async scheduling, after the next step was planned)."""
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
         if len(tokens) != len(requests):
             raise ValueError(f"{len(tokens)} sampled tokens for the plan's {len(requests)} sampling items")
@@ -132,6 +146,7 @@ class Scheduler:
             if reason is not None:
                 outcome.freed_blocks += self.finish(request, reason)
                 outcome.finished.append(request)
+        self.policy.on_step(outcome, self.now() if now is None else now)
         return outcome
 
     def stop_reason(self, request: Request, token: int) -> str | None:
@@ -146,21 +161,38 @@ class Scheduler:
         """Whether the request's newest token is its last by length: max_tokens, or the context."""
         return len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= self.max_model_len
 
-    # ---- the policy ------------------------------------------------------------------
-    def schedule(self) -> Plan:
+    # ---- the plan --------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> Plan:
         """This step's Plan: the four phases of the module docstring, in order, under one
-        token budget (each phase returns what is left of it)."""
+        token budget (each phase returns what is left of it). Every policy decision of the
+        step is given `now` (default: `now()`, the wall clock)."""
+        now = self.now() if now is None else now
         plan = Plan()
-        self.running.sort(key=self.policy)
-        budget = self._schedule_decodes(plan, self.token_budget)
-        budget = self._schedule_running_prefills(plan, budget)
+        self.running.sort(key=self._key(now))
+        budget = self._schedule_decodes(plan, self.token_budget, now)
+        budget = self._prefill_budget(plan, budget, now)
+        budget = self._schedule_running_prefills(plan, budget, now)
         if plan.preempted or plan.swapped_out:
             return plan
-        budget = self._schedule_swapped(plan, budget)
-        self._schedule_waiting(plan, budget)
+        budget = self._schedule_swapped(plan, budget, now)
+        self._schedule_waiting(plan, budget, now)
         return plan
 
-    def _schedule_decodes(self, plan: Plan, budget: int) -> int:
+    def _key(self, now: float):
+        """The policy's order at `now`, as a sort key."""
+        key = self.policy.key
+        return lambda request: key(request, now)
+
+    def _prefill_budget(self, plan: Plan, budget: int, now: float) -> int:
+        """The policy's prompt-token budget for the rest of the step, within the `budget` the
+        decodes left. A step with no decode that would get less than one token gets all of
+        it instead: an empty step changes nothing, so every later one would be empty too."""
+        wanted = self.policy.prefill_budget(self.token_budget - budget, self.token_budget, now)
+        if wanted < 1 and not plan.decodes:
+            return budget
+        return max(0, min(budget, wanted))
+
+    def _schedule_decodes(self, plan: Plan, budget: int, now: float) -> int:
         """1. One token for every decoding request, preempting the lowest-priority running
         request when out of blocks."""
         for request in list(self.running):
@@ -172,14 +204,14 @@ class Scheduler:
                 continue    # its token in flight is its last: resolve() finishes it
             if budget < 1:
                 break
-            if not self._make_room(request, request.num_tokens, plan):
+            if not self._make_room(request, request.num_tokens, plan, now):
                 continue    # the request itself was preempted
             self._allocate(request, request.num_tokens, plan)
             plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
             budget -= 1
         return budget
 
-    def _schedule_running_prefills(self, plan: Plan, budget: int) -> int:
+    def _schedule_running_prefills(self, plan: Plan, budget: int, now: float) -> int:
         """2. Running requests still prefilling continue with their next chunk. One that finds
         no room for even one more token preempts the lowest-priority running request (itself,
         if it is that one), as a decode does: two prefills that each hold part of a full cache
@@ -187,14 +219,14 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or not request.is_prefilling or budget <= 0:
                 continue
-            if self._make_room(request, request.num_computed_tokens + 1, plan):
+            if self._make_room(request, request.num_computed_tokens + 1, plan, now):
                 budget -= self._schedule_prefill(request, budget, plan)
         return budget
 
-    def _schedule_swapped(self, plan: Plan, budget: int) -> int:
+    def _schedule_swapped(self, plan: Plan, budget: int, now: float) -> int:
         """3. Swapped-out requests come back when their blocks fit (they were running:
         they decode or prefill right away)."""
-        self.swapped.sort(key=self.policy)
+        self.swapped.sort(key=self._key(now))
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             if len(self.blocks.host_tables[request.request_id]) + 1 > self.blocks.num_free_blocks:
@@ -212,19 +244,24 @@ class Scheduler:
                 budget -= 1
         return budget
 
-    def _schedule_waiting(self, plan: Plan, budget: int) -> int:
+    def _schedule_waiting(self, plan: Plan, budget: int, now: float) -> int:
         """4. Waiting requests are admitted, highest priority first, each with a prompt chunk
-        of at most the budget left (after a prefix-cache lookup). With prefix caching, a
-        request whose first block another running request is still computing waits a step:
-        admitted together, both would compute the shared prefix (SGLang's cache-aware
-        admission); a step later it finds the prefix in the cache."""
-        self.waiting.sort(key=self.policy)
+        of at most the budget left (after a prefix-cache lookup), unless the policy defers
+        them (`admit`: asked only while a request runs; deferring the only work would idle
+        the device). With prefix caching, a request whose first block another running
+        request is still computing waits a step: admitted together, both would compute the
+        shared prefix (SGLang's cache-aware admission); a step later it finds the prefix in
+        the cache."""
+        self.waiting.sort(key=self._key(now))
         in_flight = self._prefixes_in_flight()
         i = 0
         while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
+            if self.running and not self.policy.admit(request, now):
+                i += 1
+                continue
             if len(self.running) >= self.config.max_num_seqs:
-                given_back = self._preempt_for(request, plan)
+                given_back = self._preempt_for(request, plan, now)
                 if given_back is None:
                     break
                 budget += given_back
@@ -244,7 +281,7 @@ class Scheduler:
                 self.blocks.free(request)    # give back any shared prefix blocks
                 request.num_computed_tokens = 0
                 plan.prefix_hit_tokens.pop(request.request_id, None)
-                given_back = self._preempt_for(request, plan)
+                given_back = self._preempt_for(request, plan, now)
                 if given_back is None:
                     break
                 budget += given_back
@@ -259,13 +296,16 @@ class Scheduler:
                     in_flight.add(first)
         return budget
 
-    def _preempt_for(self, request: Request, plan: Plan) -> int | None:
-        """With preempt_for_priority: preempt the lowest-priority running request if `request`
-        outranks it; returns the tokens its items gave back to the budget (None: nobody)."""
-        if not self.preempt_for_priority or not self.running:
+    def _preempt_for(self, request: Request, plan: Plan, now: float) -> int | None:
+        """If the policy lets `request` preempt on arrival: preempt its victim, provided
+        `request` outranks it (a smaller key: otherwise two requests could take turns
+        preempting each other forever); returns the tokens the victim's items gave back to
+        the budget (None: nobody was preempted)."""
+        if not self.running or not self.policy.preempts_on_arrival(request, now):
             return None
-        victim = max(self.running, key=self.policy)   # appended this step: the list is not sorted
-        if not self.policy(request) < self.policy(victim):
+        key = self._key(now)
+        victim = self._victim(sorted(self.running, key=key), now)   # admitted this step: not sorted
+        if not key(request) < key(victim):
             return None
         given_back = sum(item.num_tokens for item in plan.items if item.request is victim)
         self._preempt(victim, plan)
@@ -318,15 +358,24 @@ class Scheduler:
         if new:
             plan.allocated_blocks.setdefault(request.request_id, []).extend(new)
 
-    def _make_room(self, request: Request, num_tokens: int, plan: Plan) -> bool:
-        """Preempt lowest-priority running requests until `request` can hold `num_tokens`.
-        Returns False when `request` itself had to be preempted."""
+    def _make_room(self, request: Request, num_tokens: int, plan: Plan, now: float) -> bool:
+        """Preempt the policy's victims (by default the lowest-priority running requests)
+        until `request` can hold `num_tokens`. Returns False when `request` itself had to be
+        preempted."""
         while self.blocks.blocks_needed(request, num_tokens) > self.blocks.num_free_blocks:
-            victim = self.running[-1]
+            victim = self._victim(self.running, now)   # sorted at the step's start, victims removed
             self._preempt(victim, plan)
             if victim is request:
                 return False
         return True
+
+    def _victim(self, running: list[Request], now: float) -> Request:
+        """The policy's choice among `running` (ordered by key, most important first)."""
+        victim = self.policy.preempt_victim(running, now)
+        if not any(victim is r for r in running):
+            raise ValueError(f"policy {self.policy.name!r}: preempt_victim returned {victim!r}, "
+                             f"which is not one of the running requests")
+        return victim
 
     def _preempt(self, request: Request, plan: Plan) -> None:
         self.running.remove(request)

@@ -6,6 +6,7 @@ import pytest
 
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
+from llmlab.policies import Priority, resolve_policy
 from llmlab.request import Request
 from llmlab.scheduler import Scheduler
 
@@ -38,12 +39,10 @@ def test_bad_threshold_is_rejected():
 
 
 def test_priority_preempts_a_lower_priority_running_request():
-    """preempt_for_priority: a newcomer that outranks a running request takes its slot."""
+    """policy.preempts_on_arrival: a newcomer that outranks a running request takes its slot."""
     config = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=512)
     priority = {"low-1": 1, "low-2": 1, "low-3": 1, "high": 0}
-    scheduler = Scheduler(config, BlockManager(256, 0, 16), 4096,
-                          policy=lambda r: (priority[r.request_id], r.arrival_time))
-    scheduler.preempt_for_priority = True
+    scheduler = Scheduler(config, BlockManager(256, 0, 16), 4096, policy=Priority(priority))
     # prompts of their own: with prefix caching (the default) a second [5] * 40 would wait a
     # step for the first one's blocks, and "high" would find a free slot without preempting
     for rid, token in (("low-1", 5), ("low-2", 7)):
@@ -54,7 +53,7 @@ def test_priority_preempts_a_lower_priority_running_request():
     plan = scheduler.schedule()
     assert plan.preempted == ["low-2"]                      # the newest of the least important
     assert "high" in [i.request.request_id for i in plan.prefills]
-    scheduler.preempt_for_priority = False                  # off: the newcomer waits
+    scheduler.policy = resolve_policy(lambda r: (priority[r.request_id], r.arrival_time))   # a key alone: it waits
     low = Request("low-3", None, [5] * 8, SamplingParams())
     scheduler.add(low)
     assert "low-3" not in [i.request.request_id for i in scheduler.schedule().items]

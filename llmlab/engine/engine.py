@@ -122,7 +122,8 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, token_ids, params)
+        # arrival on the scheduler's clock, the one every policy decision's `now` is on
+        request = Request(request_id, text, token_ids, params, arrival_time=self.scheduler.now())
         request.sampling_seed = params.seed if params.seed is not None else self.sampler.new_seed()
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)

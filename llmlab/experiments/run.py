@@ -1,6 +1,8 @@
 """Run a workload on a real engine, on the wall clock: each request is added when its
 arrival time comes, the engine steps while it has work, and a Recorder keeps every step.
-The Result's per-request times come from that trace (`Result.from_trace`).
+The Result's per-request times come from that trace (`Result.from_trace`). The engine's
+clock (`Scheduler.now()`) starts at the workload's t = 0, so the policy's `now` and each
+request's arrival_time are seconds on the workload's clock, as in `simulate()`.
 
     result = run(Workload.poisson(50, rate=2.0), llmlab.LLM().engine, policy="fcfs")
     result.summary(slo={"ttft": 1.0, "tpot": 0.1})
@@ -41,12 +43,14 @@ def engine_meta(engine: LLMEngine) -> dict:
 def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True) -> Result:
     """Drive a real engine through `workload` (an EngineConfig builds a new engine; an LLM or
     LLMEngine is used as it is, and must be idle). Every request generates exactly its
-    output_len tokens (greedy, EOS ignored). `warmup` first runs one short request, untimed."""
+    output_len tokens (greedy, EOS ignored). `policy`: anything `resolve_policy` takes (a
+    name, a SchedulingPolicy, "module:Name", a key function); the engine's own policy and
+    clock are put back afterwards. `warmup` first runs one short request, untimed."""
     workload.check()
     engine = _engine(config_or_engine)
     if engine.has_unfinished_requests():
         raise ValueError("run() needs an idle engine; it still has unfinished requests")
-    key = resolve_policy(policy, workload)
+    policy = resolve_policy(policy, workload)
     # a cold prefix cache, as simulate() starts with: an earlier run of the same workload on
     # this engine (another policy, say) would otherwise find every prompt already computed
     engine.block_manager.reset_prefix_cache()
@@ -56,17 +60,17 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         engine.add_request(prompt, SamplingParams(max_tokens=1), request_id="warm-up")
         while engine.has_unfinished_requests():
             engine.step()
-    previous_policy, engine.scheduler.policy = engine.scheduler.policy, key
-    previous_preempt, engine.scheduler.preempt_for_priority = engine.scheduler.preempt_for_priority, policy == "priority"
-    recorder = Recorder(engine=engine_meta(engine), policy=getattr(policy, "__name__", str(policy)),
-                        idle_before_steps=[])
+    scheduler = engine.scheduler
+    previous = scheduler.policy, scheduler.clock_origin
+    scheduler.policy = policy
+    recorder = Recorder(engine=engine_meta(engine), policy=policy.name, idle_before_steps=[])
     engine.hooks.attach(recorder)
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     arrivals, next_index = {}, 0
-    start = time.perf_counter()
+    start = scheduler.clock_origin = time.perf_counter()    # the workload's t = 0
     try:
         while next_index < len(pending) or engine.has_unfinished_requests():
-            now = time.perf_counter() - start
+            now = scheduler.now()
             while next_index < len(pending) and pending[next_index].arrival_time <= now:
                 r = pending[next_index]
                 engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0,
@@ -80,8 +84,7 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
                 recorder.trace.meta["idle_before_steps"].append(engine.step_index)
     finally:
         engine.hooks.detach(recorder)
-        engine.scheduler.policy = previous_policy
-        engine.scheduler.preempt_for_priority = previous_preempt
+        scheduler.policy, scheduler.clock_origin = previous
         for request_id in list(engine.requests):   # interrupted: leave the engine idle
             engine.abort(request_id)
     meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"],

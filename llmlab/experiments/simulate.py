@@ -32,13 +32,15 @@ PLACEHOLDER_TOKEN = 0
 def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, policy="fcfs",
              record_trace: bool = False) -> Result:
     """The Result `run(workload, config, policy)` would give if every step took the time
-    `cost_model` predicts. KV blocks come from `config.num_gpu_blocks`, or else from the
-    engine the cost model was fitted on (cost_model.meta). `record_trace` also keeps a Trace
-    of every step (what was scheduled, preempted, swapped) for the viz figures."""
+    `cost_model` predicts. `policy`: anything `resolve_policy` takes; it is given the
+    simulated clock as `now`, the clock of the workload's arrival times. KV blocks come from
+    `config.num_gpu_blocks`, or else from the engine the cost model was fitted on
+    (cost_model.meta). `record_trace` also keeps a Trace of every step (what was scheduled,
+    preempted, swapped) for the viz figures."""
     workload.check()
     if not isinstance(config, EngineConfig):
         raise ValueError(f"simulate() takes an EngineConfig, got {type(config).__name__}")
-    key = resolve_policy(policy, workload)
+    policy = resolve_policy(policy, workload)
     meta = cost_model.meta
     num_device = config.num_gpu_blocks or meta.get("num_gpu_blocks")
     if not num_device:
@@ -55,8 +57,7 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
             raise ValueError(f"request {r.request_id!r} has {len(r.prompt_token_ids)} prompt tokens, but "
                              f"max_model_len is {max_model_len}")
     scheduler = Scheduler(config, BlockManager(num_device, num_host, config.block_size,
-                                               config.enable_prefix_caching), max_model_len, key)
-    scheduler.preempt_for_priority = policy == "priority"      # as run() sets it on the engine
+                                               config.enable_prefix_caching), max_model_len, policy)
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     metrics = {r.request_id: RequestMetrics(r.request_id, r.arrival_time, len(r.prompt_token_ids), r.priority)
                for r in pending}
@@ -74,7 +75,7 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
         if not scheduler.has_unfinished():    # idle until the next arrival
             clock = pending[next_index].arrival_time
             continue
-        plan = scheduler.schedule()
+        plan = scheduler.schedule(now=clock)
         if plan.is_empty and not (plan.preempted or plan.swapped_out or plan.swapped_in):
             if next_index == len(pending):
                 raise RuntimeError("the simulated engine cannot schedule anything and no request is left to "
@@ -92,7 +93,7 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
             metrics[request_id].num_preemptions += 1
         items = plan.items
         # the engine's own post-step bookkeeping, with a placeholder for every sampled token
-        outcome = scheduler.update(plan, [PLACEHOLDER_TOKEN] * len(plan.sampling_items))
+        outcome = scheduler.update(plan, [PLACEHOLDER_TOKEN] * len(plan.sampling_items), now=clock)
         sampled, finished = outcome.advanced, outcome.finished
         for request in sampled:
             m = metrics[request.request_id]
@@ -115,6 +116,6 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
                 free_device_blocks=scheduler.blocks.num_free_blocks, total_device_blocks=num_device,
                 free_host_blocks=scheduler.blocks.num_free_host_blocks, total_host_blocks=num_host,
                 token_budget=scheduler.token_budget))
-    result_meta = {"kind": "simulate", "policy": getattr(policy, "__name__", str(policy)), "engine": dict(meta),
+    result_meta = {"kind": "simulate", "policy": policy.name, "engine": dict(meta),
                    "cost_model": cost_model.to_dict()}
     return Result(list(metrics.values()), steps, result_meta, trace)
