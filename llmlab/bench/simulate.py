@@ -19,7 +19,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cv", type=float, default=1.0, help="arrival burstiness: 1 = Poisson, > 1 = gamma")
     parser.add_argument("--prompt-len", default="32,2048", help="LOW,HIGH (uniform)")
     parser.add_argument("--output-len", default="16,512", help="LOW,HIGH (uniform)")
-    parser.add_argument("--policy", default="fcfs")
+    parser.add_argument("--policy", default="fcfs",
+                        help="fcfs, shortest_prompt_first, shortest_output_first, priority, or module:Name "
+                             "(a SchedulingPolicy, its class, or a key function; module may be path/to/file.py)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="default: the calibrated engine's")
@@ -32,8 +34,10 @@ def main(args) -> dict:
     from llmlab import EngineConfig
     from llmlab.cli_flags import int_span
     from llmlab.experiments import CostModel, Workload, simulate
+    from llmlab.policies import resolve_policy
 
     spans = int_span(args.prompt_len, "--prompt-len"), int_span(args.output_len, "--output-len")
+    policy = resolve_policy(args.policy)   # before the workload: a bad name fails at once (its priorities are all 0)
     cost_model = CostModel.load(args.cost_model)
     start = time.perf_counter()
     workload = Workload.gamma(args.num_requests, args.rate, args.cv, *spans, seed=args.seed, vocab_size=128000)
@@ -41,7 +45,7 @@ def main(args) -> dict:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len)
     start = time.perf_counter()
-    result = simulate(workload, config, cost_model, policy=args.policy)
+    result = simulate(workload, config, cost_model, policy=policy)
     seconds = time.perf_counter() - start
     summary = result.summary()
     report = {"num_requests": args.num_requests, "num_steps": len(result.steps), "simulate_seconds": seconds,

@@ -1,7 +1,8 @@
 """an OpenAI-compatible HTTP server (FastAPI + uvicorn), with graceful shutdown.
 
     llmlab serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                 [--shutdown-timeout 5] [--allowed-hosts a,b] [every EngineConfig flag]
+                 [--shutdown-timeout 5] [--allowed-hosts a,b] [--policy NAME | module:Name]
+                 [every EngineConfig flag]
 
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
@@ -45,6 +46,10 @@ def add_arguments(parser) -> None:
                              "with a 503 (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--policy", default="fcfs",
+                        help="the scheduling policy: fcfs, shortest_prompt_first, shortest_output_first, priority, "
+                             "or module:Name (a SchedulingPolicy, its class, or a key function; module may be "
+                             "path/to/file.py) (default: %(default)s)")
     add_engine_arguments(parser)
 
 
@@ -63,10 +68,12 @@ def main(args) -> None:
     from llmlab.cli_flags import engine_kwargs
     from llmlab.config import EngineConfig
     from llmlab.engine.engine import LLMEngine
+    from llmlab.policies import resolve_policy
     from llmlab.server.app import EMBEDDED_MODEL_NAME, create_app
     from llmlab.server.guards import check_api_key_value
 
     check_api_key_value(args.api_key)   # before minutes of loading, not after
+    policy = resolve_policy(args.policy)
     kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
     if "long_prefill_token_threshold" not in kwargs and config.resolved_device().type == "cpu":
@@ -75,7 +82,7 @@ def main(args) -> None:
         config = EngineConfig(**kwargs, long_prefill_token_threshold=CPU_LONG_PREFILL_THRESHOLD)
     start = time.perf_counter()
     print(f"loading {config.model or 'the embedded ' + EMBEDDED_MODEL_NAME} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, policy=policy)
     print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}", file=sys.stderr, flush=True)
     check_max_model_len(config, engine)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
