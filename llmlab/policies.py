@@ -200,13 +200,7 @@ def load_policy(spec: str):
     if not module_name or not attribute:
         raise ValueError(f"policy {spec!r}: write module:Name (or path/to/file.py:Name)")
     if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise ValueError(f"policy {spec!r}: no file {path}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[path.stem] = module    # registered before it runs, as an import would (dataclasses need it)
-        module_spec.loader.exec_module(module)
+        module = _module_from_file(Path(module_name), spec)
     else:
         try:
             module = importlib.import_module(module_name)
@@ -221,3 +215,23 @@ def load_policy(spec: str):
     if not (isinstance(found, SchedulingPolicy) or callable(found)):
         raise ValueError(f"policy {spec!r} is a {type(found).__name__}, not a SchedulingPolicy or a key function")
     return found
+
+
+def _module_from_file(path: Path, spec: str):
+    """The module of a .py file: the one already imported from it if there is one (its classes
+    are then the ones its importer has), else the file run once under a name of its own."""
+    if not path.is_file():
+        raise ValueError(f"policy {spec!r}: no file {path}")
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path.resolve():
+            return module
+    name = f"llmlab_policy_file_{path.stem}"   # not the stem: a file named json.py must not replace json
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module    # registered before it runs, as an import would be (dataclasses look it up)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]     # a fixed file loads afresh next time
+        raise
+    return module
