@@ -48,8 +48,9 @@ def main(args) -> dict:
     result = simulate(workload, config, cost_model, policy=policy)
     seconds = time.perf_counter() - start
     summary = result.summary()
-    report = {"num_requests": args.num_requests, "num_steps": len(result.steps), "simulate_seconds": seconds,
-              "workload_seconds": built, "simulated_duration_s": summary["duration_s"], "summary": summary}
+    report = {"num_requests": args.num_requests, "policy": result.meta["policy"], "num_steps": len(result.steps),
+              "simulate_seconds": seconds, "workload_seconds": built, "simulated_duration_s": summary["duration_s"],
+              "summary": summary}
     print(f"{args.num_requests} requests, {len(result.steps)} steps simulated in {seconds:.1f} s "
           f"(workload built in {built:.1f} s); {summary['duration_s']:.0f} s of engine time")
     print(" ".join(f"{k}={summary[k]:.4g}" for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "itl_p99",
