@@ -8,7 +8,9 @@ waiting) and asks its `SchedulingPolicy` at every choice:
                                      preempted last (default: arrival time, FCFS)
   admit(request, now) -> bool        admission control: may this waiting request start now?
                                      False defers it to a later step, and the requests behind
-                                     it are asked in turn (default: True)
+                                     it are asked in turn; True lets it in if the budget, a
+                                     slot and blocks allow (a recomputed victim waits here
+                                     too; it may be asked twice in a step) (default: True)
   prefill_budget(num_decode_tokens, token_budget, now) -> int
                                      tokens for prompt chunks (and requests swapped back in)
                                      this step, beside its decodes (default: all that is left,
