@@ -1,8 +1,7 @@
 """an OpenAI-compatible HTTP server (FastAPI + uvicorn), with graceful shutdown.
 
     llmlab serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                 [--shutdown-timeout 5] [--allowed-hosts a,b] [--policy NAME | module:Name]
-                 [every EngineConfig flag]
+                 [--shutdown-timeout 5] [--allowed-hosts a,b] [every EngineConfig flag]
 
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
