@@ -72,13 +72,13 @@ def main(args) -> None:
     from llmlab.server.guards import check_api_key_value
 
     check_api_key_value(args.api_key)   # before minutes of loading, not after
-    policy = resolve_policy(args.policy)
     kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
     if "long_prefill_token_threshold" not in kwargs and config.resolved_device().type == "cpu":
         # a CPU step over a whole 512-token budget takes seconds: cap each prompt's share so a
         # short request is not queued behind a long prompt (BENCHMARKS.md, "Head-of-line blocking")
         config = EngineConfig(**kwargs, long_prefill_token_threshold=CPU_LONG_PREFILL_THRESHOLD)
+    policy = resolve_policy(args.policy)   # a bad --policy fails before minutes of loading, not after
     start = time.perf_counter()
     print(f"loading {config.model or 'the embedded ' + EMBEDDED_MODEL_NAME} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(config, policy=policy)
