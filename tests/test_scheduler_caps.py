@@ -6,7 +6,6 @@ import pytest
 
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
-from llmlab.policies import Priority, resolve_policy
 from llmlab.request import Request
 from llmlab.scheduler import Scheduler
 
@@ -40,6 +39,8 @@ def test_bad_threshold_is_rejected():
 
 def test_priority_preempts_a_lower_priority_running_request():
     """policy.preempts_on_arrival: a newcomer that outranks a running request takes its slot."""
+    from llmlab.policies import Priority, resolve_policy
+
     config = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=512)
     priority = {"low-1": 1, "low-2": 1, "low-3": 1, "high": 0}
     scheduler = Scheduler(config, BlockManager(256, 0, 16), 4096, policy=Priority(priority))
