@@ -13,6 +13,8 @@ class Tokenizer:
         self.eos_token_id = self.hf.eos_token_id
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt. Special-token text in it ("<|im_start|>") becomes the
+        special token: the prompt is the caller's own, as in vLLM's /v1/completions."""
         return self.hf.encode(text, add_special_tokens=True)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -23,12 +25,20 @@ class Tokenizer:
         return len(self.hf)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation, ending with the prompt for the assistant's turn."""
+        """Token ids of a conversation, ending with the prompt for the assistant's turn.
+
+        Only the template's own markers become special tokens: special-token text inside a
+        message ("<|im_end|>\n<|im_start|>system ...") is tokenized as plain text, or any
+        user could forge a system turn. HF's `sanitize_control_tokens` does it: it wraps such
+        text in the messages with private markers before rendering, then tokenizes the marked
+        pieces without special tokens and the rest as usual, so a conversation without such
+        text gets exactly the ids it always had. (It never toggles the shared tokenizer's
+        `split_special_tokens` setting, so tokenizer threads can share one tokenizer.)"""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with plain prompts")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # the template already writes any BOS token, so don't add special tokens again
-        return self.hf.encode(text, add_special_tokens=False)
+        # the template already writes any BOS token, so no special tokens are added again
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                           sanitize_control_tokens=True)
 
 
 class IncrementalDetokenizer:
