@@ -154,6 +154,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     @v1.post("/completions", dependencies=[Depends(require_json)])
     async def completions(request: Request):
         body = parse_json(CompletionRequest, await read_body(request, max_body_bytes))
+        warn_ignored_fields(request, body)
         check_model(body.model)
         response_id, created = new_id("cmpl"), now()
         stream = await submit(response_id, body, COMPLETIONS_DEFAULT_MAX_TOKENS, prompt=body.single_prompt())
@@ -172,6 +173,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     @v1.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(request: Request):
         body = parse_json(ChatCompletionRequest, await read_body(request, max_body_bytes))
+        warn_ignored_fields(request, body)
         check_model(body.model)
         response_id, created = new_id("chatcmpl"), now()
         messages = [m.as_template_message() for m in body.messages]
@@ -198,6 +200,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
 
     app.include_router(v1)
     return app
+
+
+def warn_ignored_fields(request: Request, body) -> None:
+    """One warning line for the fields a request set that were accepted but not acted on (as vLLM)."""
+    if body.ignored_fields:
+        logger.warning("%s %s: fields ignored (accepted, not acted on): %s", request.method, request.url.path,
+                       ", ".join(body.ignored_fields))
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
