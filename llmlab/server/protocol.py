@@ -258,9 +258,10 @@ class ChatCompletionRequest(SamplingFields):
 
 def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
     """Parse and validate a raw JSON body in one pass; a 400 naming the first bad field
-    (pydantic's `loc`), or saying the body is not JSON at all."""
+    (pydantic's `loc`), or saying the body is not JSON at all. One leading UTF-8 byte order
+    mark is skipped: RFC 8259 §8.1 lets parsers ignore it (Windows tools write one)."""
     try:
-        return model.model_validate_json(body)
+        return model.model_validate_json(body.removeprefix(b"\xef\xbb\xbf"))
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         if first["type"] == "json_invalid":   # also: not UTF-8, too deep, a number too long
