@@ -1,7 +1,8 @@
 """an OpenAI-compatible HTTP server (FastAPI + uvicorn), with graceful shutdown.
 
     llmlab serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                 [--shutdown-timeout 5] [--allowed-hosts a,b] [every EngineConfig flag]
+                 [--shutdown-timeout 5] [--allowed-hosts a,b] [--timeout-read 10]
+                 [--timeout-keep-alive 5] [--max-connections 1024] [every EngineConfig flag]
 
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
@@ -25,6 +26,8 @@ import threading
 import time
 
 import uvicorn
+
+from llmlab.server.connections import ConnectionLimits, protocol_for
 
 SHUTDOWN_TIMEOUT = 5.0         # seconds running requests get to finish on SIGTERM
 # after the grace period every request ends within a step; this long more and uvicorn
@@ -51,6 +54,15 @@ def add_arguments(parser) -> None:
                         help="on SIGTERM, seconds running requests get to finish before they are ended "
                              "with a 503 (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES)
+    limits = ConnectionLimits()   # (connections.py says why each exists)
+    parser.add_argument("--timeout-read", type=seconds(), default=limits.timeout_read,
+                        help="seconds a request's headers and body have to arrive, from its first byte; "
+                             "then a 408 and the connection closes (default: %(default)s)")
+    parser.add_argument("--timeout-keep-alive", type=seconds(), default=limits.timeout_keep_alive,
+                        help="seconds a connection may sit idle, before its first request or between two "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-connections", type=positive_int, default=limits.max_connections,
+                        help="open connections; a request on one more gets a 503 (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)
 
@@ -160,7 +172,8 @@ def main(args) -> None:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)
     app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
-    serve(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
+    serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
 
 
 def check_max_model_len(config, engine) -> None:
@@ -176,10 +189,18 @@ def check_max_model_len(config, engine) -> None:
         f"(--gpu-memory-utilization, --cpu-kv-cache-gib, --num-gpu-blocks)")
 
 
-def serve(app, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_BACKSTOP)
+def serve(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
+          limits: ConnectionLimits = ConnectionLimits()) -> None:
+    config = server_config(app, host, port, shutdown_timeout, log_level, limits)
     GracefulServer(config, app.state.async_engine, shutdown_timeout).run()
+
+
+def server_config(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
+                  limits: ConnectionLimits = ConnectionLimits()) -> uvicorn.Config:
+    """uvicorn's settings for `app`: its h11 protocol with the connection limits (connections.py)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_for(limits),
+                          timeout_keep_alive=limits.timeout_keep_alive,
+                          timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_BACKSTOP)
 
 
 class GracefulServer(uvicorn.Server):
