@@ -3,6 +3,7 @@ detokenization: text grows as tokens arrive, only complete UTF-8 is shown, and a
 string is never shown even when it spans several tokens (as vLLM does it)."""
 from __future__ import annotations
 
+import functools
 
 
 class Tokenizer:
@@ -23,6 +24,29 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: its longest vocabulary entry.
+        An entry is at least as long as the text it covers: a byte-level BPE entry has one
+        character per byte (and a character is at least one byte), a SentencePiece entry one
+        per character ("▁" for a space), a byte-fallback entry "<0xE3>" six for one byte."""
+        return max(len(token) for token in self.hf.get_vocab())
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of `text`, without encoding it: the tokens
+        split the (normalized) text between them, none taking more than max_chars_per_token
+        characters. (It holds for tokenizers that drop no characters: byte-level BPE and
+        SentencePiece, the families llmlab loads; a BERT-style pre-tokenizer drops spaces.)
+        A server checks it to refuse a 1 MB prompt at once instead of counting its tokens."""
+        normalizer = self.hf.backend_tokenizer.normalizer
+        if normalizer is not None:   # e.g. NFC, which can merge a few characters into one
+            text = normalizer.normalize_str(text)
+        return -(-len(text) // self.max_chars_per_token)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The text of a conversation as the chat template writes it (no tokens)."""
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation, ending with the prompt for the assistant's turn.

@@ -144,11 +144,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
                            param="model", code="model_not_found")
 
     async def submit(request_id: str, body, default_max_tokens: int | None, **prompt) -> RequestStream:
-        """Tokenize (on the tokenizer thread), fit max_tokens to the context, queue the request."""
+        """Tokenize (on a tokenizer thread), fit max_tokens to the context, queue the request."""
         param = "messages" if "messages" in prompt else "prompt"
         body.sampling_params()     # the cheap checks first, before tokenizing
         try:
             token_ids = await async_engine.tokenize(**prompt)
+        except ContextLengthError as err:     # (refused from its length, before it was encoded)
+            raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
         except ValueError as err:
             raise APIError(400, str(err), param=param) from None
         requested, max_tokens_param = body.requested_max_tokens
