@@ -51,6 +51,10 @@ class EngineConfig:
         # each check is evaluated only after the ones before it passed, so a value of the
         # wrong type gets its own message rather than a TypeError from a later comparison
         checks = [
+            # ("" would be the current folder, and pathlib's TypeError would not name the field)
+            ("model", lambda: self.model is None or (isinstance(self.model, str) and self.model != "")
+             or hasattr(self.model, "__fspath__"),
+             "None (the embedded SmolLM2-135M-Instruct) or the path of a HF model folder or a .gguf file"),
             ("device", lambda: isinstance(self.device, str) and (
                 self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None),
              "auto, cpu or cuda[:N]"),

@@ -3,6 +3,7 @@ detokenization: text grows as tokens arrive, only complete UTF-8 is shown, and a
 string is never shown even when it spans several tokens (as vLLM does it)."""
 from __future__ import annotations
 
+import functools
 
 
 class Tokenizer:
@@ -13,6 +14,8 @@ class Tokenizer:
         self.eos_token_id = self.hf.eos_token_id
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt. Special-token text in it ("<|im_start|>") becomes the
+        special token: the prompt is the caller's own, as in vLLM's /v1/completions."""
         return self.hf.encode(text, add_special_tokens=True)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -22,13 +25,44 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: its longest vocabulary entry.
+        An entry is at least as long as the text it covers: a byte-level BPE entry has one
+        character per byte (and a character is at least one byte), a SentencePiece entry one
+        per character ("▁" for a space), a byte-fallback entry "<0xE3>" six for one byte."""
+        return max(len(token) for token in self.hf.get_vocab())
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of `text`, without encoding it: the tokens
+        split the (normalized) text between them, none taking more than max_chars_per_token
+        characters. (It holds for tokenizers that drop no characters: byte-level BPE and
+        SentencePiece, the families llmlab loads; a BERT-style pre-tokenizer drops spaces.)
+        A server checks it to refuse a 1 MB prompt at once instead of counting its tokens."""
+        normalizer = self.hf.backend_tokenizer.normalizer
+        if normalizer is not None:   # e.g. NFC, which can merge a few characters into one
+            text = normalizer.normalize_str(text)
+        return -(-len(text) // self.max_chars_per_token)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The text of a conversation as the chat template writes it (no tokens)."""
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation, ending with the prompt for the assistant's turn."""
+        """Token ids of a conversation, ending with the prompt for the assistant's turn.
+
+        Only the template's own markers become special tokens: special-token text inside a
+        message ("<|im_end|>\n<|im_start|>system ...") is tokenized as plain text, or any
+        user could forge a system turn. HF's `sanitize_control_tokens` does it: it wraps such
+        text in the messages with private markers before rendering, then tokenizes the marked
+        pieces without special tokens and the rest as usual, so a conversation without such
+        text gets exactly the ids it always had. (It never toggles the shared tokenizer's
+        `split_special_tokens` setting, so tokenizer threads can share one tokenizer.)"""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with plain prompts")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # the template already writes any BOS token, so don't add special tokens again
-        return self.hf.encode(text, add_special_tokens=False)
+        # the template already writes any BOS token, so no special tokens are added again
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                           sanitize_control_tokens=True)
 
 
 class IncrementalDetokenizer:

@@ -8,7 +8,7 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (`stream: true` sends server-sent
 events, one `data: {chunk}` per new piece of text, then `data: [DONE]`), GET /v1/models
-and /v1/models/{id}, GET /health, GET /metrics (Prometheus). With an API key, the /v1
+and /v1/models/{id}, GET /health, GET /metrics (Prometheus); every GET route answers HEAD. With an API key, the /v1
 routes need `Authorization: Bearer KEY`; /health and /metrics stay open for probes and
 scrapers (as in vLLM). POST bodies must be `application/json` (guards.py says why). Every
 error is OpenAI's JSON error object, 4xx for what the client sent, and the server keeps
@@ -100,14 +100,24 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
         logger.error("request failed", exc_info=err)   # the details for the log, not the client
         return error_response(APIError(500, "internal server error", type="server_error"))
 
+    def get(router, path: str):
+        """A GET route that answers HEAD too (load balancers and uptime checkers probe with
+        HEAD; FastAPI, unlike Starlette, does not add it). The HEAD route runs the same
+        function (uvicorn drops the body) and stays out of /openapi.json, where two methods
+        of one function would share an operation id."""
+        def register(endpoint):
+            router.head(path, include_in_schema=False)(endpoint)
+            return router.get(path)(endpoint)
+        return register
+
     # ---- open routes -------------------------------------------------------------------
-    @app.get("/health")
+    @get(app, "/health")
     async def health():
         if not async_engine.is_running or async_engine.draining:
             raise APIError(503, "the engine loop is not running", type="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @get(app, "/metrics")
     async def metrics_page():
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -119,11 +129,11 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, created=now(), max_model_len=engine.max_model_len)
 
-    @v1.get("/models")
+    @get(v1, "/models")
     async def models():
         return ModelList(data=[model_card()]).model_dump()
 
-    @v1.get("/models/{name:path}")    # :path: a model name may hold slashes ("org/model")
+    @get(v1, "/models/{name:path}")    # :path: a model name may hold slashes ("org/model")
     async def model(name: str):
         check_model(name)
         return model_card().model_dump()
@@ -134,11 +144,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
                            param="model", code="model_not_found")
 
     async def submit(request_id: str, body, default_max_tokens: int | None, **prompt) -> RequestStream:
-        """Tokenize (on the tokenizer thread), fit max_tokens to the context, queue the request."""
+        """Tokenize (on a tokenizer thread), fit max_tokens to the context, queue the request."""
         param = "messages" if "messages" in prompt else "prompt"
         body.sampling_params()     # the cheap checks first, before tokenizing
         try:
             token_ids = await async_engine.tokenize(**prompt)
+        except ContextLengthError as err:     # (refused from its length, before it was encoded)
+            raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
         except ValueError as err:
             raise APIError(400, str(err), param=param) from None
         requested, max_tokens_param = body.requested_max_tokens
@@ -154,6 +166,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     @v1.post("/completions", dependencies=[Depends(require_json)])
     async def completions(request: Request):
         body = parse_json(CompletionRequest, await read_body(request, max_body_bytes))
+        warn_ignored_fields(request, body)
         check_model(body.model)
         response_id, created = new_id("cmpl"), now()
         stream = await submit(response_id, body, COMPLETIONS_DEFAULT_MAX_TOKENS, prompt=body.single_prompt())
@@ -172,6 +185,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     @v1.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(request: Request):
         body = parse_json(ChatCompletionRequest, await read_body(request, max_body_bytes))
+        warn_ignored_fields(request, body)
         check_model(body.model)
         response_id, created = new_id("chatcmpl"), now()
         messages = [m.as_template_message() for m in body.messages]
@@ -198,6 +212,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
 
     app.include_router(v1)
     return app
+
+
+def warn_ignored_fields(request: Request, body) -> None:
+    """One warning line for the fields a request set that were accepted but not acted on (as vLLM)."""
+    if body.ignored_fields:
+        logger.warning("%s %s: fields ignored (accepted, not acted on): %s", request.method, request.url.path,
+                       ", ".join(body.ignored_fields))
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:

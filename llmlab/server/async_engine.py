@@ -13,16 +13,13 @@ Requests from every client meet in the same `engine.step()`, so they are batched
 (iteration-level scheduling, Orca) without the handlers knowing about each other. Because
 steps run off the event loop, a slow step never delays accepting a connection.
 
-Prompts are tokenized (and chat templates applied) on a third thread, the tokenizer
-thread, and reach the engine as token ids: a 900 KB prompt takes the tokenizer ~0.6 s,
-which on the engine thread would stall every stream. HF's tokenizer releases the GIL
-while it encodes, so the engine thread keeps stepping meanwhile.
+Prompts are tokenized (and chat templates applied) on tokenizer threads, off both the
+event loop and the engine thread, and reach the engine as token ids (tokenizer_threads.py).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import threading
 import time
@@ -34,6 +31,7 @@ from llmlab.request import Request, RequestOutput
 from llmlab.sampling import SamplingParams
 from llmlab.server.metrics import ServerMetrics
 from llmlab.server.protocol import APIError
+from llmlab.server.tokenizer_threads import TokenizerLanes
 
 logger = logging.getLogger("llmlab.server")
 
@@ -45,12 +43,6 @@ def shutting_down() -> APIError:
 
 def engine_failed() -> APIError:    # the details go to the log, not to the client
     return APIError(500, "the engine failed while running this request", type="server_error")
-
-
-def tokenize(engine: LLMEngine, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
-    """Token ids of a prompt (text or ids) or of chat messages (the model's chat template),
-    by the engine's one tokenization point (run on the tokenizer thread)."""
-    return engine.tokenize(messages if messages is not None else prompt)[0]
 
 
 @dataclass(eq=False)
@@ -105,15 +97,14 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # one tokenizer thread: requests are tokenized one at a time, in arrival order
-        self._tokenizer_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tokenizer_lanes = TokenizerLanes(engine)
 
     # ---- the event loop's side -----------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the outputs."""
         self._loop = asyncio.get_running_loop()
         self._stopping = self.draining = False
-        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmlab-tokenizer")
+        self._tokenizer_lanes.start()
         self._thread = threading.Thread(target=self._run, name="llmlab-engine", daemon=True)
         self._thread.start()
 
@@ -127,9 +118,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._tokenizer_thread is not None:
-            self._tokenizer_thread.shutdown(cancel_futures=True)
-            self._tokenizer_thread = None
+        self._tokenizer_lanes.stop()
 
     @property
     def num_unfinished(self) -> int:
@@ -149,8 +138,9 @@ class AsyncEngine:
 
     async def tokenize(self, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None) -> list[int]:
-        """`tokenize(...)` on the tokenizer thread; ValueError for what cannot be tokenized."""
-        return await self._loop.run_in_executor(self._tokenizer_thread, tokenize, self.engine, prompt, messages)
+        """Token ids, from a tokenizer thread (tokenizer_threads.py); ValueError for what
+        cannot be tokenized, ContextLengthError for what cannot fit."""
+        return await self._tokenizer_lanes.tokenize(prompt, messages)
 
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a tokenized prompt. Returns once the engine has accepted it; raises

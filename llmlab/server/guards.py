@@ -64,8 +64,14 @@ def host_checker(allowed_hosts: list[str] | None):
 
 
 async def require_json(request: Request) -> None:
-    """A FastAPI dependency for POST routes: the body must be declared as JSON."""
+    """A FastAPI dependency for POST routes: the body must be declared as JSON, and not be
+    compressed (RFC 9110 §15.5.16: 415 for a content coding the server does not read)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"send the body as JSON with 'Content-Type: application/json' "
                        f"(got {media_type or 'no Content-Type'!r})", code="unsupported_media_type")
+    encodings = [e.strip().lower() for e in request.headers.get("content-encoding", "").split(",")]
+    compressed = [e for e in encodings if e not in ("", "identity")]
+    if compressed:
+        raise APIError(415, f"the body is compressed ('Content-Encoding: {', '.join(compressed)}'); this "
+                       f"server reads only uncompressed JSON", code="unsupported_media_type")

@@ -8,12 +8,20 @@ crash later (lone surrogates like "\\ud800", nesting thousands deep, 5,000-digit
 `Infinity` and `NaN`), and every error names the field it is about (`loc`). Types are
 strict (the string "5" is not a number, as in OpenAI's own API); values are checked once,
 by `SamplingParams`.
+
+Fields this server does not act on come in two kinds. Those that ask for a different output
+(a tool or function call, audio, a web search, JSON, logprobs, ...) are a 400 naming the
+field unless they are at their "off" value: a client that asked for audio and got plain
+text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
+`user`, `parallel_tool_calls`, `reasoning_effort`, a message's `name`, and any field
+OpenAI may add) are accepted and listed by `ignored_fields`, which the server logs in one
+warning line per request, as vLLM does.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from llmlab.sampling import SamplingParams
 
@@ -33,12 +41,18 @@ class APIError(Exception):
 
 # OpenAI fields this server does not implement, accepted only at their "off" value (or
 # null), so a client that relies on one gets a clear 400 instead of different behaviour.
+# `()`: no value is off.
 UNSUPPORTED_FIELDS = {
     # (completions' logprobs: 0 still asks for the sampled tokens' logprobs: only false is off)
     "echo": (False,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
     "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+    "functions": ([],), "function_call": ("none",),        # the tools API before `tools`
+    "modalities": (["text"],), "audio": (), "web_search_options": (),
+    "prediction": (),    # a predicted output: the client expects it reused and its tokens counted
 }
+# in a message: an assistant turn that called tools (the template here has no way to write it)
+UNSUPPORTED_MESSAGE_FIELDS = {"tool_calls": ([],), "function_call": ()}
 
 
 # strict types, no Infinity/NaN; unknown top-level fields are ignored (as vLLM does)
@@ -73,17 +87,28 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False        # vLLM extension: benchmarks use it for exact output lengths
-    user: str | None = None
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
     def reject_unsupported(cls, data):
         if isinstance(data, dict):
-            for name, off in UNSUPPORTED_FIELDS.items():
-                if data.get(name) is not None and not is_off(data[name], off):
-                    raise APIError(400, f"'{name}' is not supported by this server", param=name,
-                                   code="unsupported_parameter")
+            refuse_unsupported(data, UNSUPPORTED_FIELDS)
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def note_ignored_fields(cls, data, handler):
+        request = handler(data)
+        if isinstance(data, dict):
+            request._ignored_fields = ignored_fields(cls, data)
+        return request
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The fields the request set (not null) that this server accepted but does not act
+        on, with a message's as `messages[i].name`."""
+        return self._ignored_fields
 
     @model_validator(mode="after")
     def stream_options_need_stream(self):
@@ -119,6 +144,29 @@ class SamplingFields(BaseModel):
             field = refused_field(fields)
             name = param if field == "max_tokens" else field     # the request's name for it
             raise APIError(400, str(err).replace(f"SamplingParams.{field}", f"'{name}'"), param=name) from None
+
+
+def refuse_unsupported(data: dict, unsupported: dict, prefix: str = "") -> None:
+    """A 400 for the first field of `unsupported` that `data` sets to a value that is not off."""
+    for name, off in unsupported.items():
+        if data.get(name) is not None and not is_off(data[name], off):
+            raise APIError(400, f"'{prefix}{name}' is not supported by this server", param=prefix + name,
+                           code="unsupported_parameter")
+
+
+def ignored_fields(model: type[BaseModel], data: dict) -> list[str]:
+    """Fields of a request body (a dict) that `model` neither declares nor refuses, and that
+    are not null: accepted, not acted on. A message's are named `messages[i].<field>`."""
+    def unused(fields: dict, declared, unsupported) -> list[str]:
+        return [name for name, value in fields.items()
+                if value is not None and name not in declared and name not in unsupported]
+    names = unused(data, model.model_fields, UNSUPPORTED_FIELDS)
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict):
+            names += [f"messages[{i}].{name}"
+                      for name in unused(message, ChatMessage.model_fields, UNSUPPORTED_MESSAGE_FIELDS)]
+    return names
 
 
 def refused_field(fields: dict) -> str | None:
@@ -192,6 +240,15 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
 
+    @model_validator(mode="before")
+    @classmethod
+    def reject_unsupported_in_messages(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            for i, message in enumerate(data["messages"]):
+                if isinstance(message, dict):
+                    refuse_unsupported(message, UNSUPPORTED_MESSAGE_FIELDS, prefix=f"messages[{i}].")
+        return data
+
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -201,9 +258,10 @@ class ChatCompletionRequest(SamplingFields):
 
 def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
     """Parse and validate a raw JSON body in one pass; a 400 naming the first bad field
-    (pydantic's `loc`), or saying the body is not JSON at all."""
+    (pydantic's `loc`), or saying the body is not JSON at all. One leading UTF-8 byte order
+    mark is skipped: RFC 8259 §8.1 lets parsers ignore it (Windows tools write one)."""
     try:
-        return model.model_validate_json(body)
+        return model.model_validate_json(body.removeprefix(b"\xef\xbb\xbf"))
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         if first["type"] == "json_invalid":   # also: not UTF-8, too deep, a number too long

@@ -1,17 +1,24 @@
 """an OpenAI-compatible HTTP server (FastAPI + uvicorn), with graceful shutdown.
 
     llmlab serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                 [--shutdown-timeout 5] [--allowed-hosts a,b] [every EngineConfig flag]
+                 [--shutdown-timeout 5] [--allowed-hosts a,b] [--timeout-read 10]
+                 [--timeout-keep-alive 5] [--max-connections 1024] [every EngineConfig flag]
 
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
 event and `[DONE]` and every waiting non-streaming request with a 503 (OpenAI's error
 format), and exits with status 0. A second Ctrl-C quits at once.
+
+Every option is checked as it is parsed (argparse `type=` functions), so a value that
+could not work is one error line and exit status 2 before the model loads, not a
+traceback 15 s later or a server that refuses every request.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -19,6 +26,8 @@ import threading
 import time
 
 import uvicorn
+
+from llmlab.server.connections import ConnectionLimits, protocol_for
 
 SHUTDOWN_TIMEOUT = 5.0         # seconds running requests get to finish on SIGTERM
 # after the grace period every request ends within a step; this long more and uvicorn
@@ -30,20 +39,30 @@ def add_arguments(parser) -> None:
     from llmlab.cli_flags import add_engine_arguments
     from llmlab.server.app import MAX_BODY_BYTES
 
-    parser.add_argument("--host", default="127.0.0.1",
+    parser.add_argument("--host", type=bind_address, default="127.0.0.1",
                         help="address to bind (default: loopback only; 0.0.0.0 exposes the server)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"),
+    parser.add_argument("--port", type=tcp_port, default=8000)
+    # (argparse runs `type` on a string default too: $LLMLAB_API_KEY is checked like the flag)
+    parser.add_argument("--api-key", type=bearer_key, default=os.environ.get("LLMLAB_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $LLMLAB_API_KEY)")
-    parser.add_argument("--served-model-name", default=None,
+    parser.add_argument("--served-model-name", type=non_empty, default=None,
                         help="the model's name in the API (default: the --model file or folder name)")
-    parser.add_argument("--allowed-hosts", default=None,
+    parser.add_argument("--allowed-hosts", type=host_list, default=None,
                         help="comma-separated Host header values to accept, '*' = any, '*.example.com' = "
                              "subdomains (default: the loopback names when --host is loopback, else any)")
-    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+    parser.add_argument("--shutdown-timeout", type=seconds(allow_zero=True), default=SHUTDOWN_TIMEOUT,
                         help="on SIGTERM, seconds running requests get to finish before they are ended "
                              "with a 503 (default: %(default)s)")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES)
+    limits = ConnectionLimits()   # (connections.py says why each exists)
+    parser.add_argument("--timeout-read", type=seconds(), default=limits.timeout_read,
+                        help="seconds a request's headers and body have to arrive, from its first byte; "
+                             "then a 408 and the connection closes (default: %(default)s)")
+    parser.add_argument("--timeout-keep-alive", type=seconds(), default=limits.timeout_keep_alive,
+                        help="seconds a connection may sit idle, before its first request or between two "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-connections", type=positive_int, default=limits.max_connections,
+                        help="open connections; a request on one more gets a 503 (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--policy", default="fcfs",
                         help="the scheduling policy: fcfs, shortest_prompt_first, shortest_output_first, priority, "
@@ -52,11 +71,86 @@ def add_arguments(parser) -> None:
     add_engine_arguments(parser)
 
 
+# ---- option types: each returns the value or raises ArgumentTypeError (argparse: exit 2) ----
+def tcp_port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def seconds(allow_zero: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {'>= 0' if allow_zero else '> 0'}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def bind_address(text: str) -> str:
+    # asyncio reads "" as every interface: never what an empty value meant
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give an address: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    return text.strip()
+
+
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the name is empty")
+    return text.strip()
+
+
+def split_hosts(text: str) -> list[str]:
+    return [h.strip() for h in text.split(",") if h.strip()]
+
+
+def host_list(text: str) -> str:
+    """A comma-separated list that names at least one host (an empty one would refuse every
+    request, /health included)."""
+    if not split_hosts(text):
+        raise argparse.ArgumentTypeError("names no host: give host names, or '*' for any Host header")
+    return text
+
+
+def bearer_key(text: str) -> str:
+    """A key a client can send: HTTP strips spaces around a header value and carries only
+    ASCII reliably (a non-ASCII key reaches the server as Latin-1 or UTF-8, by client). The
+    key is never repeated in the message: it is a secret."""
+    from llmlab.server.guards import check_api_key_value
+
+    try:
+        check_api_key_value(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if text != text.strip():
+        raise argparse.ArgumentTypeError("the API key (or $LLMLAB_API_KEY) starts or ends with whitespace, which "
+                                         "HTTP strips from a header: no client could send it")
+    if not all(" " <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError("the API key (or $LLMLAB_API_KEY) has characters HTTP headers cannot "
+                                         "carry reliably: use printable ASCII (letters, digits, -._~+/=)")
+    return text
+
+
 def allowed_hosts_for(args) -> list[str]:
     from llmlab.server.guards import LOOPBACK_HOSTS
 
     if args.allowed_hosts is not None:
-        return [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        return split_hosts(args.allowed_hosts)
     return LOOPBACK_HOSTS if args.host in LOOPBACK_HOSTS else ["*"]
 
 
@@ -69,9 +163,6 @@ def main(args) -> None:
     from llmlab.engine.engine import LLMEngine
     from llmlab.policies import resolve_policy
     from llmlab.server.app import EMBEDDED_MODEL_NAME, create_app
-    from llmlab.server.guards import check_api_key_value
-
-    check_api_key_value(args.api_key)   # before minutes of loading, not after
     kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
     if "long_prefill_token_threshold" not in kwargs and config.resolved_device().type == "cpu":
@@ -88,7 +179,8 @@ def main(args) -> None:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)
     app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
-    serve(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
+    serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
 
 
 def check_max_model_len(config, engine) -> None:
@@ -104,10 +196,18 @@ def check_max_model_len(config, engine) -> None:
         f"(--gpu-memory-utilization, --cpu-kv-cache-gib, --num-gpu-blocks)")
 
 
-def serve(app, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_BACKSTOP)
+def serve(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
+          limits: ConnectionLimits = ConnectionLimits()) -> None:
+    config = server_config(app, host, port, shutdown_timeout, log_level, limits)
     GracefulServer(config, app.state.async_engine, shutdown_timeout).run()
+
+
+def server_config(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
+                  limits: ConnectionLimits = ConnectionLimits()) -> uvicorn.Config:
+    """uvicorn's settings for `app`: its h11 protocol with the connection limits (connections.py)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_for(limits),
+                          timeout_keep_alive=limits.timeout_keep_alive,
+                          timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_BACKSTOP)
 
 
 class GracefulServer(uvicorn.Server):
