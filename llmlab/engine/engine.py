@@ -7,7 +7,9 @@ The engine is the loop; each room does its own work:
   Sampler                -> one token per such row, on the device (sampling.py)
   Scheduler.update       -> computed tokens, full-block hashes, tokens appended, token-level
                             stops (EOS, stop ids, max_tokens, context), finished blocks freed
-  the engine             -> detokenization and stop strings, RequestOutputs, hook events
+  OutputProcessor        -> first-token time, text, stop strings (the text-level stop),
+                            RequestOutputs (output.py)
+  the engine             -> hook events: a StepRecord, requests added and finished
 With async scheduling (EngineConfig.async_scheduling, in_flight.py) the step launched by one
 call is read by the next: the host plans and prepares step N+1 while the device runs step N.
 """
@@ -23,10 +25,11 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
+from llmlab.engine.output import OutputProcessor
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
 from llmlab import kernels
 from llmlab.model.llama import LOGITS_DTYPE, LlamaModel
-from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmlab.model.tokenizer import Tokenizer
 from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.scheduler import Plan, Scheduler, fcfs
@@ -51,8 +54,8 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
+        self.output = OutputProcessor(self.tokenizer, eos)
         self.sampler = Sampler(config.seed, self.backend)
         if self.device.type == "cuda" and self.backend == "triton":
             # the logits' dtype, not the weights': a graph captured for bf16 logits is never replayed
@@ -125,8 +128,7 @@ class LLMEngine:
         # arrival on the scheduler's clock, the one every policy decision's `now` is on
         request = Request(request_id, text, token_ids, params, arrival_time=self.scheduler.now())
         request.sampling_seed = params.seed if params.seed is not None else self.sampler.new_seed()
-        if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self.output.add_request(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         if self.hooks.active:
@@ -137,7 +139,8 @@ class LLMEngine:
         """Stop a request now, wherever it is (waiting, mid-prefill, swapped); frees its blocks."""
         request = self.requests.get(str(request_id))   # add_request took str(request_id) too
         if request is not None:
-            self._finish(request, "abort")
+            self._freed_blocks += self.scheduler.finish(request, "abort")
+            self._finished(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -233,19 +236,23 @@ class LLMEngine:
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's tokens and finish its bookkeeping: scheduler.resolve (tokens,
-        token-level stops), detokenization and stop strings, hook events; its outputs."""
+        token-level stops), the output processor (text, stop strings), hook events; its outputs."""
         outcome = self.scheduler.resolve(step.requests, step.tokens())
         self.num_dropped_tokens += outcome.num_dropped
         self._freed_blocks += outcome.freed_blocks
+        for request in self.output.add_tokens(outcome.advanced):   # a stop string ended it
+            # also when the same token reached max_tokens: a stop string wins over "length"
+            self._freed_blocks += self.scheduler.finish(request, "stop")
         for request in outcome.advanced:
-            self._new_token(request)
+            if request.finished:
+                self._finished(request)
         if self.hooks.active:
             sampled = {r.request_id: r.output_token_ids[-1] for r in outcome.advanced}
             finished = {r.request_id: r.finish_reason for r in outcome.advanced if r.finished}
             self.hooks.emit(self._record(step, sampled, finished))
         else:
             self._freed_blocks.clear()
-        return [RequestOutput.of(r) for r in outcome.advanced]
+        return self.output.outputs(outcome.advanced)
 
     def _lap(self, clock):
         if self.device.type == "cuda" and self.hooks.active:
@@ -253,30 +260,10 @@ class LLMEngine:
         now = time.perf_counter()
         return now - clock, now
 
-    def _new_token(self, request: Request) -> None:
-        """The output side of the token scheduler.update appended: first-token time, text,
-        and stop strings, the one stop condition only the text shows."""
-        token = request.output_token_ids[-1]
-        if request.first_token_time is None:
-            request.first_token_time = time.perf_counter()
-        if request.detokenizer is not None and token not in self.eos_token_ids:
-            if request.detokenizer.add_token(token):
-                # also when the same token reached max_tokens: a stop string wins over "length"
-                self._freed_blocks += self.scheduler.finish(request, "stop")
-        if request.finished:
-            self._finished(request)
-
-    def _finish(self, request: Request, reason: str) -> None:
-        self._freed_blocks += self.scheduler.finish(request, reason)
-        self._finished(request)
-
     def _finished(self, request: Request) -> None:
-        """The engine's side of a request the scheduler has finished: its end time, the
-        held-back text released (unless a stop ended it), events."""
-        request.finish_time = time.perf_counter()
-        # EOS and stop token ids end with "stop" too: only a matched stop string cuts the text
-        if request.detokenizer is not None and request.detokenizer.stopped_on is None:
-            request.detokenizer.finish()
+        """The engine's side of a request the scheduler has finished: its output side (end
+        time, held-back text), forgotten, events."""
+        self.output.finish(request)
         self.requests.pop(request.request_id, None)
         if self.hooks.active:
             self.hooks.emit(RequestFinished(request.request_id, request.finish_reason,
