@@ -9,7 +9,7 @@ The engine is the loop; each room does its own work:
                             stops (EOS, stop ids, max_tokens, context), finished blocks freed
   OutputProcessor        -> first-token time, text, stop strings (the text-level stop),
                             RequestOutputs (output.py)
-  the engine             -> hook events: a StepRecord, requests added and finished
+  the engine             -> hook events: a StepRecord (hooks.step_record), requests added and finished
 With async scheduling (EngineConfig.async_scheduling, in_flight.py) the step launched by one
 call is read by the next: the host plans and prepares step N+1 while the device runs step N.
 """
@@ -26,7 +26,7 @@ from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor
-from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
+from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LOGITS_DTYPE, LlamaModel
 from llmlab.model.tokenizer import Tokenizer
@@ -247,9 +247,11 @@ class LLMEngine:
             if request.finished:
                 self._finished(request)
         if self.hooks.active:
-            sampled = {r.request_id: r.output_token_ids[-1] for r in outcome.advanced}
-            finished = {r.request_id: r.finish_reason for r in outcome.advanced if r.finished}
-            self.hooks.emit(self._record(step, sampled, finished))
+            freed, self._freed_blocks = self._freed_blocks, []
+            self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced,
+                                        freed_blocks=freed, timings=step.timings,
+                                        kernel_timings=step.kernel_timings, time=time.perf_counter(),
+                                        overlapped=step.overlapped))
         else:
             self._freed_blocks.clear()
         return self.output.outputs(outcome.advanced)
@@ -268,30 +270,3 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.emit(RequestFinished(request.request_id, request.finish_reason,
                                             len(request.output_token_ids), request.finish_time))
-
-    def _take_freed_blocks(self) -> list[int]:
-        freed, self._freed_blocks = self._freed_blocks, []
-        return freed
-
-    def _record(self, step: InFlightStep, sampled, finished) -> StepRecord:
-        bm, plan = self.block_manager, step.plan
-        running = self.scheduler.running
-        return StepRecord(
-            step=step.index, overlapped=step.overlapped,
-            scheduled=[ScheduledRecord(i.request.request_id, i.kind, i.num_tokens, i.start_position)
-                       for i in plan.items],
-            preempted=list(plan.preempted), swapped_out=list(plan.swapped_out),
-            swapped_in=list(plan.swapped_in),
-            allocated_blocks={k: list(v) for k, v in plan.allocated_blocks.items()},
-            freed_blocks=self._take_freed_blocks(),
-            prefix_hit_tokens=dict(plan.prefix_hit_tokens),
-            block_tables={r.request_id: list(r.block_table) for r in running},
-            host_block_tables={k: list(v) for k, v in bm.host_tables.items()},
-            shared_blocks=[b for b, c in enumerate(bm.ref_counts) if c > 1],
-            cached_blocks=sorted(bm.cached_blocks.values()),
-            sampled=sampled, finished=finished,
-            waiting=[r.request_id for r in self.scheduler.waiting],
-            free_device_blocks=bm.num_free_blocks, total_device_blocks=bm.num_device_blocks,
-            free_host_blocks=bm.num_free_host_blocks, total_host_blocks=bm.num_host_blocks,
-            token_budget=self.scheduler.token_budget,
-            timings=step.timings, kernel_timings=dict(step.kernel_timings), time=time.perf_counter())
