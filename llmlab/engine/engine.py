@@ -10,6 +10,7 @@ The engine is the loop; each room does its own work:
   OutputProcessor        -> first-token time, text, stop strings (the text-level stop),
                             RequestOutputs (output.py)
   the engine             -> hook events: a StepRecord (hooks.step_record), requests added and finished
+Start-up, after the runner is built: warm_up.warm_up, every compile and capture (GPU only).
 With async scheduling (EngineConfig.async_scheduling, in_flight.py) the step launched by one
 call is read by the next: the host plans and prepares step N+1 while the device runs step N.
 """
@@ -26,9 +27,10 @@ from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor
+from llmlab.engine.warm_up import warm_up
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
-from llmlab.model.llama import LOGITS_DTYPE, LlamaModel
+from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import Tokenizer
 from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
@@ -40,7 +42,7 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, policy=fcfs):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights)."""
         self.config = config
-        # load -> prepack -> memory profile -> KV cache -> graphs -> warm-up: the runner's work
+        # load -> prepack -> memory profile -> KV cache: the runner's work
         self.runner = ModelRunner(config, model, tokenizer)
         runner = self.runner
         self.device, self.dtype, self.backend = runner.device, runner.dtype, runner.backend
@@ -57,9 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
         self.output = OutputProcessor(self.tokenizer, eos)
         self.sampler = Sampler(config.seed, self.backend)
-        if self.device.type == "cuda" and self.backend == "triton":
-            # the logits' dtype, not the weights': a graph captured for bf16 logits is never replayed
-            self.sampler.warm_up(self.model_config.vocab_size, self.device, LOGITS_DTYPE, config.max_num_seqs)
+        warm_up(runner, self.sampler, config)   # decode graphs, kernel variants, sampler graphs (GPU only)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
         # overlap steps (in_flight.py); a hook, kernel timing or model.capture() runs them one at a time
