@@ -23,7 +23,7 @@ import time
 import torch
 
 from llmlab.cache.block_manager import BlockManager
-from llmlab.config import EngineConfig, ModelConfig
+from llmlab.config import EngineConfig
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor
@@ -38,19 +38,24 @@ from llmlab.scheduler import Plan, Scheduler, fcfs
 
 
 class LLMEngine:
+    # the runner's (it owns the model's life), readable here by name for notebooks and tests
+    device = property(lambda self: self.runner.device, doc="torch.device the model runs on")
+    dtype = property(lambda self: self.runner.dtype, doc="the weights' torch dtype")
+    backend = property(lambda self: self.runner.backend, doc='kernel backend: "torch" | "triton" | "reference"')
+    model = property(lambda self: self.runner.model, doc="the LlamaModel (rank 0's shard with parallelism)")
+    model_config = property(lambda self: self.runner.model_config, doc="the model's ModelConfig")
+    kv_cache = property(lambda self: self.runner.kv_cache, doc="the KVCache: device and host blocks")
+    executor = property(lambda self: self.runner.executor, doc="the parallel ranks' executor, or None")
+    max_model_len = property(lambda self: self.runner.max_model_len, doc="the longest prompt + output")
+
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights)."""
         self.config = config
         # load -> prepack -> memory profile -> KV cache: the runner's work
-        self.runner = ModelRunner(config, model, tokenizer)
-        runner = self.runner
-        self.device, self.dtype, self.backend = runner.device, runner.dtype, runner.backend
-        # the runner's, kept here by name for notebooks and tests (engine.model.capture(), ...)
-        self.model, self.kv_cache, self.executor = runner.model, runner.kv_cache, runner.executor
+        self.runner = runner = ModelRunner(config, model, tokenizer)
+        # found beside the weights; the engine's: prompts in (tokenize), text out (its output processor)
         self.tokenizer = runner.tokenizer
-        self.model_config: ModelConfig = runner.model_config
-        self.max_model_len = runner.max_model_len
         self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
         eos = set(self.model_config.eos_token_ids)
