@@ -17,7 +17,6 @@ call is read by the next: the host plans and prepares step N+1 while the device 
 from __future__ import annotations
 
 import itertools
-import numbers
 import time
 
 import torch
@@ -31,7 +30,7 @@ from llmlab.engine.warm_up import warm_up
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
-from llmlab.model.tokenizer import Tokenizer
+from llmlab.model.tokenizer import Tokenizer, tokenize_prompt
 from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.scheduler import Plan, Scheduler, fcfs
@@ -79,34 +78,10 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
-        """(token ids, prompt text) of a prompt: a string (encoded), token ids (kept as they
-        are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
-        chat template, then encoded). The text is the string given, else None. The one place
+        """(token ids, prompt text) of a prompt: a string, token ids or chat messages
+        (model/tokenizer.py's `tokenize_prompt`, with this engine's tokenizer). The one place
         prompts become tokens: add_request, LLM.chat, the CLI and the server all come here."""
-        if hasattr(prompt, "tolist") and not isinstance(prompt, str):   # a tensor or array of token ids
-            prompt = prompt.tolist()
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                     for t in prompt):
-            return [int(t) for t in prompt], None   # (numpy's integers too)
-        is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
-        if not (isinstance(prompt, str) or is_messages):
-            raise ValueError('prompt must be a string, a list of token ids, or chat messages '
-                             '(a list of {"role", "content"} dicts)')
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer; pass the prompt as token ids")
-        if isinstance(prompt, str):
-            try:
-                return self.tokenizer.encode(prompt), prompt
-            except (TypeError, UnicodeError) as err:   # a lone surrogate ("\ud800") is no UTF-8
-                raise ValueError(f"prompt cannot be encoded: {err}") from None
-        from jinja2 import TemplateError   # chat templates are Jinja templates
-
-        try:
-            return self.tokenizer.apply_chat_template(list(prompt)), None
-        except TemplateError as err:   # e.g. a template that only allows alternating roles
-            raise ValueError(f"chat template: {err}") from None
-        except (TypeError, UnicodeError) as err:   # e.g. a content that is no string
-            raise ValueError(f"chat messages cannot be encoded: {err}") from None
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

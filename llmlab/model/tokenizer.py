@@ -1,7 +1,10 @@
-"""The model's own tokenizer and chat template (HF tokenizers), plus incremental
-detokenization: text grows as tokens arrive, and only complete UTF-8 comes out (stop
-strings are the output processor's: engine/output.py)."""
+"""The model's own tokenizer and chat template (HF tokenizers); what a prompt (text, token
+ids or chat messages) is in tokens; incremental detokenization: text grows as tokens
+arrive, and only complete UTF-8 comes out (stop strings are the output processor's:
+engine/output.py)."""
 from __future__ import annotations
+
+import numbers
 
 
 class Tokenizer:
@@ -28,6 +31,38 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # the template already writes any BOS token, so don't add special tokens again
         return self.hf.encode(text, add_special_tokens=False)
+
+
+def tokenize_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[list[int], str | None]:
+    """(token ids, prompt text) of a prompt: a string (encoded), token ids (kept as they
+    are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
+    chat template, then encoded). The text is the string given, else None. Without a
+    tokenizer only token ids are a prompt. (LLMEngine.tokenize, the one place prompts
+    become tokens, calls this.)"""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, str):   # a tensor or array of token ids
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                 for t in prompt):
+        return [int(t) for t in prompt], None   # (numpy's integers too)
+    is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+    if not (isinstance(prompt, str) or is_messages):
+        raise ValueError('prompt must be a string, a list of token ids, or chat messages '
+                         '(a list of {"role", "content"} dicts)')
+    if tokenizer is None:
+        raise ValueError("this engine has no tokenizer; pass the prompt as token ids")
+    if isinstance(prompt, str):
+        try:
+            return tokenizer.encode(prompt), prompt
+        except (TypeError, UnicodeError) as err:   # a lone surrogate ("\ud800") is no UTF-8
+            raise ValueError(f"prompt cannot be encoded: {err}") from None
+    from jinja2 import TemplateError   # chat templates are Jinja templates
+
+    try:
+        return tokenizer.apply_chat_template(list(prompt)), None
+    except TemplateError as err:   # e.g. a template that only allows alternating roles
+        raise ValueError(f"chat template: {err}") from None
+    except (TypeError, UnicodeError) as err:   # e.g. a content that is no string
+        raise ValueError(f"chat messages cannot be encoded: {err}") from None
 
 
 class IncrementalDetokenizer:
