@@ -2,8 +2,8 @@
 
 The engine emits three kinds of events: `RequestAdded`, one `StepRecord` per step (what
 was scheduled, preempted, swapped, allocated and sampled, the block tables afterwards,
-phase timings) and `RequestFinished`. Hooks observe; they never steer. With no hook
-attached the engine does not even build the events.
+phase timings; built by `step_record`, as the simulator's are) and `RequestFinished`. Hooks
+observe; they never steer. With no hook attached the engine does not even build the events.
 
     rec = llmlab.Recorder(); engine.hooks.attach(rec)
     ...; rec.trace.steps[3].scheduled; rec.trace.save("run.json"); Trace.load("run.json")
@@ -60,6 +60,38 @@ class StepRecord:
     @property
     def num_decode_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled if s.kind == "decode")
+
+
+def step_record(step: int, plan, scheduler, advanced, *, blocks: bool = True, freed_blocks=(), timings=None,
+                kernel_timings=(), time: float = 0.0, overlapped: bool = False) -> StepRecord:
+    """The StepRecord of a step that ran `plan` (a scheduler Plan), read once its bookkeeping
+    is done: `advanced` are the requests that got a token (StepOutcome.advanced; those done
+    are finished by now), and `scheduler` (its queues and its block manager) is in its state
+    after the step. The engine and the simulator both build their records here.
+    `blocks=False` leaves out which blocks (allocated, freed, the block tables, shared and
+    cached blocks) and the prefix hits, keeping the block counts: the simulator's traces hold
+    the schedule only, small for long workloads."""
+    bm = scheduler.blocks
+    record = StepRecord(
+        step=step, overlapped=overlapped,
+        scheduled=[ScheduledRecord(i.request.request_id, i.kind, i.num_tokens, i.start_position) for i in plan.items],
+        preempted=list(plan.preempted), swapped_out=list(plan.swapped_out), swapped_in=list(plan.swapped_in),
+        sampled={r.request_id: r.output_token_ids[-1] for r in advanced},
+        finished={r.request_id: r.finish_reason for r in advanced if r.finished},
+        waiting=[r.request_id for r in scheduler.waiting],
+        free_device_blocks=bm.num_free_blocks, total_device_blocks=bm.num_device_blocks,
+        free_host_blocks=bm.num_free_host_blocks, total_host_blocks=bm.num_host_blocks,
+        token_budget=scheduler.token_budget, timings=timings if timings is not None else {},
+        kernel_timings=dict(kernel_timings), time=time)
+    if blocks:
+        record.allocated_blocks = {k: list(v) for k, v in plan.allocated_blocks.items()}
+        record.freed_blocks = list(freed_blocks)
+        record.prefix_hit_tokens = dict(plan.prefix_hit_tokens)
+        record.block_tables = {r.request_id: list(r.block_table) for r in scheduler.running}
+        record.host_block_tables = {k: list(v) for k, v in bm.host_tables.items()}
+        record.shared_blocks = [b for b, c in enumerate(bm.ref_counts) if c > 1]
+        record.cached_blocks = sorted(bm.cached_blocks.values())
+    return record
 
 
 @dataclass

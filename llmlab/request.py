@@ -38,7 +38,7 @@ class Request:
     num_cached_blocks: int = 0       # leading blocks of block_table already in the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     sampling_seed: int = 0           # keys the sampler's noise: params.seed, or one the engine drew
-    detokenizer: object = None       # IncrementalDetokenizer, set by the engine
+    output_text: object = None       # its OutputText (engine/output.py), set by the output processor
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0   # prompt tokens found in the prefix cache
     first_token_time: float | None = None
@@ -81,7 +81,7 @@ class Request:
 
     @property
     def text(self) -> str:
-        return self.detokenizer.text if self.detokenizer is not None else ""
+        return self.output_text.text if self.output_text is not None else ""
 
 
 class RequestOutput:   # a plain class with __slots__: it is built for every request every step
@@ -94,7 +94,7 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
     """
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "delta_text", "delta_token_ids",
                  "finished", "finish_reason", "num_cached_prompt_tokens",
-                 "_all_token_ids", "_num_tokens", "_detokenizer", "_num_pieces", "_text")
+                 "_all_token_ids", "_num_tokens", "_output_text", "_num_pieces", "_text")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  text: str = "", token_ids: list[int] = (), finished: bool = False,
@@ -104,7 +104,7 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
         self.finished, self.finish_reason = finished, finish_reason
         self.num_cached_prompt_tokens = num_cached_prompt_tokens   # prompt tokens served from the prefix cache
         self._all_token_ids, self._num_tokens = list(token_ids), len(token_ids)
-        self._detokenizer, self._num_pieces, self._text = None, 0, text
+        self._output_text, self._num_pieces, self._text = None, 0, text
         self.delta_text = text if delta_text is None else delta_text
         self.delta_token_ids = list(self._all_token_ids) if delta_token_ids is None else delta_token_ids
 
@@ -115,14 +115,14 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
         out = cls.__new__(cls)
         start, request.num_reported_tokens = request.num_reported_tokens, len(request.output_token_ids)
         delta_token_ids = request.output_token_ids[start:]
-        delta_text = request.detokenizer.take_delta() if request.detokenizer is not None else ""
+        delta_text = request.output_text.take_delta() if request.output_text is not None else ""
         out.request_id, out.prompt, out.prompt_token_ids = request.request_id, request.prompt, request.prompt_token_ids
         out.finished, out.finish_reason = request.finished, request.finish_reason
         out.num_cached_prompt_tokens = request.num_cached_prompt_tokens
         out._all_token_ids, out._num_tokens = request.output_token_ids, len(request.output_token_ids)
-        detokenizer = request.detokenizer
-        out._detokenizer, out._num_pieces = detokenizer, len(detokenizer.pieces) if detokenizer else 0
-        out._text = None if detokenizer else ""
+        output_text = request.output_text
+        out._output_text, out._num_pieces = output_text, len(output_text.pieces) if output_text else 0
+        out._text = None if output_text else ""
         out.delta_text, out.delta_token_ids = delta_text, delta_token_ids
         return out
 
@@ -135,7 +135,7 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
     def text(self) -> str:
         """The text generated so far (cumulative; a held-back partial stop string excluded)."""
         if self._text is None:
-            self._text = self._detokenizer.text_of(self._num_pieces)
+            self._text = self._output_text.text_of(self._num_pieces)
         return self._text
 
     def __repr__(self) -> str:

@@ -112,10 +112,11 @@ class Sampler:
                               backend=self.backend)
 
     def warm_up(self, vocab_size: int, device, dtype, max_rows: int = 3) -> None:
-        """Compile the sampling kernels now, not inside a request's step: for every row count
-        up to `max_rows` (the kernel's chunking and its graphs follow the batch), one call
-        that takes every branch (top-k, top-p, min-p, and rows without top-k, which the
-        Triton sampler draws by rejection rounds)."""
+        """Compile the sampling kernels now, not inside a request's step (called by the
+        engine's warm-up, engine/warm_up.py): for every row count up to `max_rows` (the
+        kernel's chunking and its graphs follow the batch), one call that takes every branch
+        (top-k, top-p, min-p, and rows without top-k, which the Triton sampler draws by
+        rejection rounds)."""
         sampled = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01),
                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01)]
         for rows in range(1, max(max_rows, 3) + 1):

@@ -22,7 +22,8 @@ After the step's forward and sampling, `Scheduler.update(plan, sampled)` does th
 bookkeeping: every scheduled request's computed tokens advance and its newly full blocks
 are hashed for the prefix cache; each request that sampled gets its token, and those done
 (EOS, a stop token, max_tokens, the context length) are finished and their blocks freed.
-Stop *strings* need text, so the engine checks them after detokenizing (as vLLM does).
+Stop *strings* need text: the output processor (engine/output.py) checks them after
+detokenizing, as vLLM's does.
 With async scheduling the tokens are still on the device when the next step is planned:
 `update(plan, None)` gives each sampling request a placeholder (`request.token_pending`),
 so it decodes next step with the token fed on the device, and `resolve` fills the tokens in

@@ -9,6 +9,7 @@ import llmlab
 import engine_helpers
 from engine_helpers import assert_all_blocks_free
 from llmlab import EngineConfig, LLMEngine, SamplingParams
+from llmlab.engine.warm_up import compile_kernels
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
            "1, 2, 3, 4,", "Explain what a hash table is to a ten year old child, step by step."]
@@ -195,7 +196,7 @@ def test_triton_backend_matches_torch_backend_on_embedded_model(llm):
 def test_warm_up_leaves_no_trace(llm, reference_tokens):
     """The GPU engine's start-up batches (here run on the CPU) own no blocks and change no output."""
     engine = make_engine(llm, num_gpu_blocks=256)
-    engine.runner.warm_up()
+    compile_kernels(engine.runner)
     assert_all_blocks_free(engine)
     assert [o.token_ids for o in run_all(engine, PROMPTS)] == reference_tokens
     assert_all_blocks_free(engine)

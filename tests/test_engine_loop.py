@@ -11,6 +11,7 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.config import ModelConfig
 from llmlab.engine import ModelRunner
 from llmlab.engine.batch import dummy_plan, num_blocks_of
+from llmlab.engine.warm_up import compile_kernels
 from llmlab.model.llama import LlamaModel
 from llmlab.plan import Plan, ScheduledItem
 from llmlab.request import Request, RequestStatus
@@ -86,7 +87,7 @@ def test_warm_up_runs_mixed_prefill_and_decode_steps(monkeypatch):
     shapes = []
     monkeypatch.setattr(runner, "execute", lambda plan: shapes.append(
         (len(plan.prefills), len(plan.decodes), max(i.start_position + i.num_tokens for i in plan.items))))
-    runner.warm_up()
+    compile_kernels(runner)
     assert any(prefills and decodes for prefills, decodes, _ in shapes)
     assert shapes and all(longest <= 48 for *_, longest in shapes)
 

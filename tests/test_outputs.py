@@ -4,6 +4,7 @@ snapshots that later steps do not change."""
 from __future__ import annotations
 
 from llmlab import SamplingParams
+from llmlab.engine.output import OutputText
 from llmlab.model.tokenizer import IncrementalDetokenizer
 
 
@@ -55,7 +56,7 @@ def test_detokenizer_work_per_token_does_not_grow_with_position(llm):
     """A long stream's per-token work is constant: the characters decoded and searched
     for stop strings per token are the same at token 100 and at token 2,000."""
     counting = CountingTokenizer(llm.tokenizer)
-    detok = IncrementalDetokenizer(counting, [1, 2, 3], stop=["<never appears>"])
+    detok = OutputText(IncrementalDetokenizer(counting, [1, 2, 3]), stop=["<never appears>"])
     word = llm.tokenizer.encode(" hello")[-1]
     per_token = []
     for i in range(2000):

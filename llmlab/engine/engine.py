@@ -7,56 +7,63 @@ The engine is the loop; each room does its own work:
   Sampler                -> one token per such row, on the device (sampling.py)
   Scheduler.update       -> computed tokens, full-block hashes, tokens appended, token-level
                             stops (EOS, stop ids, max_tokens, context), finished blocks freed
-  the engine             -> detokenization and stop strings, RequestOutputs, hook events
+  OutputProcessor        -> first-token time, text, stop strings (the text-level stop),
+                            RequestOutputs (output.py)
+  the engine             -> hook events: a StepRecord (hooks.step_record), requests added and finished
+Start-up, after the runner is built: warm_up.warm_up, every compile and capture (GPU only).
 With async scheduling (EngineConfig.async_scheduling, in_flight.py) the step launched by one
 call is read by the next: the host plans and prepares step N+1 while the device runs step N.
 """
 from __future__ import annotations
 
 import itertools
-import numbers
 import time
 
 import torch
 
 from llmlab.cache.block_manager import BlockManager
-from llmlab.config import EngineConfig, ModelConfig
+from llmlab.config import EngineConfig
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
-from llmlab.hooks import HookBus, RequestAdded, RequestFinished, ScheduledRecord, StepRecord
+from llmlab.engine.output import OutputProcessor
+from llmlab.engine.warm_up import warm_up
+from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
-from llmlab.model.llama import LOGITS_DTYPE, LlamaModel
-from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmlab.model.llama import LlamaModel
+from llmlab.model.tokenizer import Tokenizer, tokenize_prompt
 from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.scheduler import Plan, Scheduler, fcfs
 
 
 class LLMEngine:
+    # the runner's (it owns the model's life), readable here by name for notebooks and tests
+    device = property(lambda self: self.runner.device, doc="torch.device the model runs on")
+    dtype = property(lambda self: self.runner.dtype, doc="the weights' torch dtype")
+    backend = property(lambda self: self.runner.backend, doc='kernel backend: "torch" | "triton" | "reference"')
+    model = property(lambda self: self.runner.model, doc="the LlamaModel (rank 0's shard with parallelism)")
+    model_config = property(lambda self: self.runner.model_config, doc="the model's ModelConfig")
+    kv_cache = property(lambda self: self.runner.kv_cache, doc="the KVCache: device and host blocks")
+    executor = property(lambda self: self.runner.executor, doc="the parallel ranks' executor, or None")
+    max_model_len = property(lambda self: self.runner.max_model_len, doc="the longest prompt + output")
+
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights)."""
         self.config = config
-        # load -> prepack -> memory profile -> KV cache -> graphs -> warm-up: the runner's work
-        self.runner = ModelRunner(config, model, tokenizer)
-        runner = self.runner
-        self.device, self.dtype, self.backend = runner.device, runner.dtype, runner.backend
-        # the runner's, kept here by name for notebooks and tests (engine.model.capture(), ...)
-        self.model, self.kv_cache, self.executor = runner.model, runner.kv_cache, runner.executor
+        # load -> prepack -> memory profile -> KV cache: the runner's work
+        self.runner = runner = ModelRunner(config, model, tokenizer)
+        # found beside the weights; the engine's: prompts in (tokenize), text out (its output processor)
         self.tokenizer = runner.tokenizer
-        self.model_config: ModelConfig = runner.model_config
-        self.max_model_len = runner.max_model_len
         self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
+        self.output = OutputProcessor(self.tokenizer, eos)
         self.sampler = Sampler(config.seed, self.backend)
-        if self.device.type == "cuda" and self.backend == "triton":
-            # the logits' dtype, not the weights': a graph captured for bf16 logits is never replayed
-            self.sampler.warm_up(self.model_config.vocab_size, self.device, LOGITS_DTYPE, config.max_num_seqs)
+        warm_up(runner, self.sampler, config)   # decode graphs, kernel variants, sampler graphs (GPU only)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords
         # overlap steps (in_flight.py); a hook, kernel timing or model.capture() runs them one at a time
@@ -71,34 +78,10 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
-        """(token ids, prompt text) of a prompt: a string (encoded), token ids (kept as they
-        are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
-        chat template, then encoded). The text is the string given, else None. The one place
+        """(token ids, prompt text) of a prompt: a string, token ids or chat messages
+        (model/tokenizer.py's `tokenize_prompt`, with this engine's tokenizer). The one place
         prompts become tokens: add_request, LLM.chat, the CLI and the server all come here."""
-        if hasattr(prompt, "tolist") and not isinstance(prompt, str):   # a tensor or array of token ids
-            prompt = prompt.tolist()
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                     for t in prompt):
-            return [int(t) for t in prompt], None   # (numpy's integers too)
-        is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
-        if not (isinstance(prompt, str) or is_messages):
-            raise ValueError('prompt must be a string, a list of token ids, or chat messages '
-                             '(a list of {"role", "content"} dicts)')
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer; pass the prompt as token ids")
-        if isinstance(prompt, str):
-            try:
-                return self.tokenizer.encode(prompt), prompt
-            except (TypeError, UnicodeError) as err:   # a lone surrogate ("\ud800") is no UTF-8
-                raise ValueError(f"prompt cannot be encoded: {err}") from None
-        from jinja2 import TemplateError   # chat templates are Jinja templates
-
-        try:
-            return self.tokenizer.apply_chat_template(list(prompt)), None
-        except TemplateError as err:   # e.g. a template that only allows alternating roles
-            raise ValueError(f"chat template: {err}") from None
-        except (TypeError, UnicodeError) as err:   # e.g. a content that is no string
-            raise ValueError(f"chat messages cannot be encoded: {err}") from None
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -125,8 +108,7 @@ class LLMEngine:
         # arrival on the scheduler's clock, the one every policy decision's `now` is on
         request = Request(request_id, text, token_ids, params, arrival_time=self.scheduler.now())
         request.sampling_seed = params.seed if params.seed is not None else self.sampler.new_seed()
-        if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self.output.add_request(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         if self.hooks.active:
@@ -137,7 +119,8 @@ class LLMEngine:
         """Stop a request now, wherever it is (waiting, mid-prefill, swapped); frees its blocks."""
         request = self.requests.get(str(request_id))   # add_request took str(request_id) too
         if request is not None:
-            self._finish(request, "abort")
+            self._freed_blocks += self.scheduler.finish(request, "abort")
+            self._finished(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -233,19 +216,25 @@ class LLMEngine:
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's tokens and finish its bookkeeping: scheduler.resolve (tokens,
-        token-level stops), detokenization and stop strings, hook events; its outputs."""
+        token-level stops), the output processor (text, stop strings), hook events; its outputs."""
         outcome = self.scheduler.resolve(step.requests, step.tokens())
         self.num_dropped_tokens += outcome.num_dropped
         self._freed_blocks += outcome.freed_blocks
+        for request in self.output.add_tokens(outcome.advanced):   # a stop string ended it
+            # also when the same token reached max_tokens: a stop string wins over "length"
+            self._freed_blocks += self.scheduler.finish(request, "stop")
         for request in outcome.advanced:
-            self._new_token(request)
+            if request.finished:
+                self._finished(request)
         if self.hooks.active:
-            sampled = {r.request_id: r.output_token_ids[-1] for r in outcome.advanced}
-            finished = {r.request_id: r.finish_reason for r in outcome.advanced if r.finished}
-            self.hooks.emit(self._record(step, sampled, finished))
+            freed, self._freed_blocks = self._freed_blocks, []
+            self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced,
+                                        freed_blocks=freed, timings=step.timings,
+                                        kernel_timings=step.kernel_timings, time=time.perf_counter(),
+                                        overlapped=step.overlapped))
         else:
             self._freed_blocks.clear()
-        return [RequestOutput.of(r) for r in outcome.advanced]
+        return self.output.outputs(outcome.advanced)
 
     def _lap(self, clock):
         if self.device.type == "cuda" and self.hooks.active:
@@ -253,58 +242,11 @@ class LLMEngine:
         now = time.perf_counter()
         return now - clock, now
 
-    def _new_token(self, request: Request) -> None:
-        """The output side of the token scheduler.update appended: first-token time, text,
-        and stop strings, the one stop condition only the text shows."""
-        token = request.output_token_ids[-1]
-        if request.first_token_time is None:
-            request.first_token_time = time.perf_counter()
-        if request.detokenizer is not None and token not in self.eos_token_ids:
-            if request.detokenizer.add_token(token):
-                # also when the same token reached max_tokens: a stop string wins over "length"
-                self._freed_blocks += self.scheduler.finish(request, "stop")
-        if request.finished:
-            self._finished(request)
-
-    def _finish(self, request: Request, reason: str) -> None:
-        self._freed_blocks += self.scheduler.finish(request, reason)
-        self._finished(request)
-
     def _finished(self, request: Request) -> None:
-        """The engine's side of a request the scheduler has finished: its end time, the
-        held-back text released (unless a stop ended it), events."""
-        request.finish_time = time.perf_counter()
-        # EOS and stop token ids end with "stop" too: only a matched stop string cuts the text
-        if request.detokenizer is not None and request.detokenizer.stopped_on is None:
-            request.detokenizer.finish()
+        """The engine's side of a request the scheduler has finished: its output side (end
+        time, held-back text), forgotten, events."""
+        self.output.finish(request)
         self.requests.pop(request.request_id, None)
         if self.hooks.active:
             self.hooks.emit(RequestFinished(request.request_id, request.finish_reason,
                                             len(request.output_token_ids), request.finish_time))
-
-    def _take_freed_blocks(self) -> list[int]:
-        freed, self._freed_blocks = self._freed_blocks, []
-        return freed
-
-    def _record(self, step: InFlightStep, sampled, finished) -> StepRecord:
-        bm, plan = self.block_manager, step.plan
-        running = self.scheduler.running
-        return StepRecord(
-            step=step.index, overlapped=step.overlapped,
-            scheduled=[ScheduledRecord(i.request.request_id, i.kind, i.num_tokens, i.start_position)
-                       for i in plan.items],
-            preempted=list(plan.preempted), swapped_out=list(plan.swapped_out),
-            swapped_in=list(plan.swapped_in),
-            allocated_blocks={k: list(v) for k, v in plan.allocated_blocks.items()},
-            freed_blocks=self._take_freed_blocks(),
-            prefix_hit_tokens=dict(plan.prefix_hit_tokens),
-            block_tables={r.request_id: list(r.block_table) for r in running},
-            host_block_tables={k: list(v) for k, v in bm.host_tables.items()},
-            shared_blocks=[b for b, c in enumerate(bm.ref_counts) if c > 1],
-            cached_blocks=sorted(bm.cached_blocks.values()),
-            sampled=sampled, finished=finished,
-            waiting=[r.request_id for r in self.scheduler.waiting],
-            free_device_blocks=bm.num_free_blocks, total_device_blocks=bm.num_device_blocks,
-            free_host_blocks=bm.num_free_host_blocks, total_host_blocks=bm.num_host_blocks,
-            token_budget=self.scheduler.token_budget,
-            timings=step.timings, kernel_timings=dict(step.kernel_timings), time=time.perf_counter())

@@ -6,10 +6,8 @@ At start-up, in this order:
   prepack     on a CPU, each weight in oneDNN's blocked layout (kernels.prepack, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
-  graphs      CUDA graphs of decode steps, one per (batch size, splits) a step can ask for
-              (cuda_graphs.py, warm_up.graph_keys)
-  warm-up     throwaway batches that compile every Triton kernel variant a step can use
-              (warm_up.py), so none compiles while requests wait
+Then the engine's warm-up (warm_up.py: everything compiled or captured at start-up) makes
+the decode CUDA graphs (`make_decode_graphs`) and runs throwaway batches through `execute`.
 Then every step: `swap` (block copies of the plan), `prepare_step` (batch.py: the flat
 batch, staged in persistent buffers, input_buffers.py) and `forward` (logits). `prepare`
 and `execute` do the same for any plan (dummy ones too) with fresh tensors.
@@ -26,7 +24,6 @@ from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import batch as batches
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
-from llmlab.engine.warm_up import graph_keys, warm_up_plans
 from llmlab import kernels
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.tokenizer import Tokenizer
@@ -107,23 +104,9 @@ class ModelRunner:
                                  self.model_config.sliding_window or 1 << 62,
                                  self.num_device_blocks * self.block_size)
 
-        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.buffers = InputBuffers(self.device, max_blocks_per_seq)   # every step's inputs
-        compiled = self.device.type == "cuda" and self.backend == "triton"
-        self.graphs = None
-        # pipeline-parallel steps run eagerly; tensor-parallel ones replay on every rank at once
-        if compiled and not config.enforce_eager and config.pipeline_parallel_size == 1:
-            from llmlab.engine.cuda_graphs import CudaGraphDecoder
-
-            self.graphs = (CudaGraphDecoder(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq, self.backend)
-                           if self.executor is None else  # parallel/cuda_graphs.py
-                           self.executor.cuda_graphs(model, self.kv_cache, config.max_num_seqs, max_blocks_per_seq,
-                                                     self.backend))
-            # every split count a long context can ask for, now rather than mid-run
-            self.graphs.capture(graph_keys(self.graphs.sizes, config.max_num_seqs, self.max_model_len,
-                                           self.num_splits))
-        if compiled:
-            self.warm_up()   # compile the Triton kernel variants before the first request (on every rank)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.buffers = InputBuffers(self.device, self.max_blocks_per_seq)   # every step's inputs
+        self.graphs = None   # decode-step CUDA graphs, once the warm-up made them (make_decode_graphs)
 
     # ---- start-up ----------------------------------------------------------------------
     def profile_activation_bytes(self) -> int:
@@ -144,20 +127,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak * 1.2)   # headroom for allocator fragmentation
 
-    def warm_up(self) -> None:
-        """Run throwaway batches (warm_up.warm_up_plans) so that Triton compiles every kernel
-        variant a step can ask for now, not inside the first requests' steps (a first mixed
-        step took 2 s on an H200). They write K/V into blocks that no request owns yet."""
-        num_blocks = self.kv_cache.device.shape[2]
-        plans = warm_up_plans(self.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                              self.max_model_len, self.num_splits)
-        for plan in plans:
-            longest = max(item.start_position + item.num_tokens for item in plan.items)
-            if longest > self.max_model_len or batches.num_blocks_of(plan, self.block_size) > num_blocks:
-                continue   # a small engine never sees this shape
-            self.execute(plan)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def make_decode_graphs(self):
+        """The decode-step CUDA graphs that `forward` replays from now on: CudaGraphDecoder
+        (cuda_graphs.py), or with tensor parallelism every rank's at once
+        (parallel/cuda_graphs.py); making them captures each size of their batch-size ladder
+        with one split. Called once, by the warm-up (warm_up.py), which captures the rest."""
+        from llmlab.engine.cuda_graphs import CudaGraphDecoder
+
+        config = self.config
+        self.graphs = (CudaGraphDecoder(self.model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq,
+                                        self.backend)
+                       if self.executor is None else  # parallel/cuda_graphs.py
+                       self.executor.cuda_graphs(self.model, self.kv_cache, config.max_num_seqs,
+                                                 self.max_blocks_per_seq, self.backend))
+        return self.graphs
 
     # ---- every step ----------------------------------------------------------------------
     def swap(self, swap_out_copies: list[tuple[int, int]], swap_in_copies: list[tuple[int, int]]) -> None:

@@ -1,7 +1,20 @@
-"""Warm-up: throwaway batches that make Triton compile, and CUDA graphs capture, every
-variant the engine's steps can ask for, before the first request. A first-time compile in
-the middle of a run stalls every stream (a first mixed step took 2 s on an H200; first
-captures of long-context decode graphs showed in the calibration's p90).
+"""Warm-up: everything compiled or captured at start-up, in one place, so that nothing is
+compiled or captured while requests wait. A first-time compile in the middle of a run
+stalls every stream (a first mixed step took 2 s on an H200; first captures of
+long-context decode graphs showed in the calibration's p90).
+
+`warm_up(runner, sampler, config)`, called once by LLMEngine.__init__ once the runner has
+its KV cache, does, on a GPU with the Triton backend (on a CPU nothing compiles: torch
+kernels, or Triton's interpreter), in this order:
+  1. decode CUDA graphs  runner.make_decode_graphs captures one per size of the batch-size
+                         ladder with one split (cuda_graphs.py; every rank's with tensor
+                         parallelism), then every other (size, splits) key `graph_keys` lists;
+                         not with enforce_eager, nor with pipeline parallelism (eager steps)
+  2. kernel variants     `compile_kernels`: the `warm_up_plans` batches through the runner
+  3. sampler graphs      Sampler.warm_up: every row count up to max_num_seqs, with and
+                         without greedy rows, on the logits' dtype (float32)
+(Before it, the runner's memory profile ran one worst-case forward on CUDA, which compiles
+what that shape uses; it is there to measure memory, not to warm up.)
 
 Triton compiles a kernel once per value of its constexprs and per class of each integer
 argument: 1, a multiple of 16, anything else (`spec`). What changes from step to step:
@@ -9,7 +22,7 @@ argument: 1, a multiple of 16, anything else (`spec`). What changes from step to
                      of two >= 16 above it) and the width of the block tables (the longest)
   decode attention   the number of flash-decoding splits (each split count has its own
                      combine kernel) and the width of the block tables, in eager steps
-  the sampler        its chunking follows the number of rows (Sampler.warm_up runs them all)
+  the sampler        its chunking follows the number of rows (3. above)
 Every other integer argument is a model constant (heads, strides of the weights).
 `warm_up_plans` covers each combination once; `graph_keys` lists every (batch size,
 splits) CUDA graph a decode step can replay.
@@ -18,8 +31,45 @@ from __future__ import annotations
 
 import itertools
 
-from llmlab.engine.batch import dummy_plan
+import torch
+
+from llmlab.config import EngineConfig
+from llmlab.engine.batch import dummy_plan, num_blocks_of
+from llmlab.model.llama import LOGITS_DTYPE
 from llmlab.scheduler import Plan
+
+
+def warm_up(runner, sampler, config: EngineConfig) -> None:
+    """Compile and capture, before the first request, everything a step of this engine can
+    ask for (the list above). `runner`: the engine's ModelRunner; `sampler`: its Sampler."""
+    if runner.device.type != "cuda" or runner.backend != "triton":
+        return
+    # pipeline-parallel steps run eagerly; tensor-parallel ones replay on every rank at once
+    if not config.enforce_eager and config.pipeline_parallel_size == 1:
+        graphs = runner.make_decode_graphs()   # captures the ladder, one split each
+        # every split count a long context can ask for, now rather than mid-run
+        graphs.capture(graph_keys(graphs.sizes, config.max_num_seqs, runner.max_model_len, runner.num_splits))
+    compile_kernels(runner)   # on every rank with tensor parallelism
+    # the logits' dtype, not the weights': a graph captured for bf16 logits is never replayed
+    sampler.warm_up(runner.model_config.vocab_size, runner.device, LOGITS_DTYPE, config.max_num_seqs)
+
+
+def compile_kernels(runner) -> None:
+    """Run throwaway batches (warm_up_plans) so that Triton compiles every kernel variant a
+    step can ask for now, not inside the first requests' steps (a first mixed step took 2 s
+    on an H200). They write K/V into blocks that no request owns yet."""
+    num_blocks = runner.kv_cache.device.shape[2]
+    config = runner.config
+    plans = warm_up_plans(runner.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                          runner.max_model_len, runner.num_splits)
+    for plan in plans:
+        longest = max(item.start_position + item.num_tokens for item in plan.items)
+        if longest > runner.max_model_len or num_blocks_of(plan, runner.block_size) > num_blocks:
+            continue   # a small engine never sees this shape
+        runner.execute(plan)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
 
 # (prefills as (chunk, context) pairs, decode contexts): a step of one token, odd and
 # multiple-of-16 token counts, prefill-only, decode-only and mixed steps

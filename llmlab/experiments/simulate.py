@@ -20,7 +20,7 @@ from llmlab.config import EngineConfig
 from llmlab.experiments.cost_model import CostModel
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.workload import Workload
-from llmlab.hooks import ScheduledRecord, StepRecord, Trace
+from llmlab.hooks import Trace, step_record
 from llmlab.policies import resolve_policy
 from llmlab.request import Request
 from llmlab.sampling import SamplingParams
@@ -91,7 +91,6 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
                 m.first_scheduled = start
         for request_id in plan.preempted + plan.swapped_out:
             metrics[request_id].num_preemptions += 1
-        items = plan.items
         # the engine's own post-step bookkeeping, with a placeholder for every sampled token
         outcome = scheduler.update(plan, [PLACEHOLDER_TOKEN] * len(plan.sampling_items), now=clock)
         sampled, finished = outcome.advanced, outcome.finished
@@ -104,18 +103,9 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
             metrics[request.request_id].finish = clock
         steps.append(StepStats(clock, duration, sum(i.num_tokens for i in plan.prefills), len(plan.decodes),
                                len(scheduler.waiting), len(plan.preempted) + len(plan.swapped_out)))
-        if trace is not None:
-            trace.steps.append(StepRecord(
-                step=len(steps) - 1, time=clock, timings={"forward": duration},
-                scheduled=[ScheduledRecord(i.request.request_id, i.kind, i.num_tokens, i.start_position)
-                           for i in items],
-                preempted=list(plan.preempted), swapped_out=list(plan.swapped_out), swapped_in=list(plan.swapped_in),
-                sampled={r.request_id: PLACEHOLDER_TOKEN for r in sampled},
-                finished={r.request_id: r.finish_reason for r in finished},
-                waiting=[r.request_id for r in scheduler.waiting],
-                free_device_blocks=scheduler.blocks.num_free_blocks, total_device_blocks=num_device,
-                free_host_blocks=scheduler.blocks.num_free_host_blocks, total_host_blocks=num_host,
-                token_budget=scheduler.token_budget))
+        if trace is not None:   # the engine's record of a step (hooks.step_record), the schedule only
+            trace.steps.append(step_record(len(steps) - 1, plan, scheduler, sampled, blocks=False,
+                                           timings={"forward": duration}, time=clock))
     result_meta = {"kind": "simulate", "policy": policy.name, "engine": dict(meta),
                    "cost_model": cost_model.to_dict()}
     return Result(list(metrics.values()), steps, result_meta, trace)

@@ -1,9 +1,11 @@
-"""The model's own tokenizer and chat template (HF tokenizers), plus incremental
-detokenization: text grows as tokens arrive, only complete UTF-8 is shown, and a stop
-string is never shown even when it spans several tokens (as vLLM does it)."""
+"""The model's own tokenizer and chat template (HF tokenizers); what a prompt (text, token
+ids or chat messages) is in tokens; incremental detokenization: text grows as tokens
+arrive, and only complete UTF-8 comes out (stop strings are the output processor's:
+engine/output.py)."""
 from __future__ import annotations
 
 import functools
+import numbers
 
 
 class Tokenizer:
@@ -65,80 +67,61 @@ class Tokenizer:
                                            sanitize_control_tokens=True)
 
 
+def tokenize_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[list[int], str | None]:
+    """(token ids, prompt text) of a prompt: a string (encoded), token ids (kept as they
+    are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
+    chat template, then encoded). The text is the string given, else None. Without a
+    tokenizer only token ids are a prompt. (LLMEngine.tokenize, the one place prompts
+    become tokens, calls this.)"""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, str):   # a tensor or array of token ids
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                 for t in prompt):
+        return [int(t) for t in prompt], None   # (numpy's integers too)
+    is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+    if not (isinstance(prompt, str) or is_messages):
+        raise ValueError('prompt must be a string, a list of token ids, or chat messages '
+                         '(a list of {"role", "content"} dicts)')
+    if tokenizer is None:
+        raise ValueError("this engine has no tokenizer; pass the prompt as token ids")
+    if isinstance(prompt, str):
+        try:
+            return tokenizer.encode(prompt), prompt
+        except (TypeError, UnicodeError) as err:   # a lone surrogate ("\ud800") is no UTF-8
+            raise ValueError(f"prompt cannot be encoded: {err}") from None
+    from jinja2 import TemplateError   # chat templates are Jinja templates
+
+    try:
+        return tokenizer.apply_chat_template(list(prompt)), None
+    except TemplateError as err:   # e.g. a template that only allows alternating roles
+        raise ValueError(f"chat template: {err}") from None
+    except (TypeError, UnicodeError) as err:   # e.g. a content that is no string
+        raise ValueError(f"chat messages cannot be encoded: {err}") from None
+
+
 class IncrementalDetokenizer:
     """Decodes a growing list of output tokens into text, one token at a time.
 
     It decodes a short window of tokens twice (with and without the newest ones) and
-    appends only the difference; a window ending in an incomplete UTF-8 character
-    (decoded as U+FFFD) waits for the next token. Text that might be the start of a
-    stop string is held back ("pending") until it is known not to be one.
-
-    Work per token does not grow with the output's length: released text is kept as a
-    list of pieces (joined only when someone asks for `text`), and the stop-string search
-    looks only at the held-back tail plus the new piece, the only place a stop can end.
+    returns only the difference; a window ending in an incomplete UTF-8 character
+    (decoded as U+FFFD) waits for the next token. Work per token does not grow with the
+    output's length. What of the text is shown, and stop strings, are the output
+    processor's (engine/output.py: OutputText).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-6:])   # a little context for leading spaces
         self.prefix_offset = 0                         # window start
         self.read_offset = len(self.token_ids)         # tokens already turned into text
-        self.stop = stop
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self.pieces: list[str] = []                    # released text, in order
-        self.pending = ""                              # decoded but held back (a stop may start here)
-        self.stopped_on: str | None = None
-        self._delta: list[str] = []                    # pieces released since take_delta()
-        self._joined, self._num_joined = "", 0
 
-    @property
-    def text(self) -> str:
-        """Text safe to show: no partial stop string at its end."""
-        return self.text_of(len(self.pieces))
-
-    def text_of(self, num_pieces: int) -> str:
-        """The text made of the first `num_pieces` released pieces (an output's snapshot)."""
-        if num_pieces < self._num_joined:
-            return "".join(self.pieces[:num_pieces])
-        if num_pieces > self._num_joined:
-            self._joined += "".join(self.pieces[self._num_joined:num_pieces])
-            self._num_joined = num_pieces
-        return self._joined
-
-    def take_delta(self) -> str:
-        """Text released since the last call."""
-        delta, self._delta = "".join(self._delta), []
-        return delta
-
-    def _release(self, text: str) -> None:
-        if text:
-            self.pieces.append(text)
-            self._delta.append(text)
-
-    def finish(self) -> None:
-        """The request ended for another reason: release the held-back tail."""
-        self._release(self.pending)
-        self.pending, self.hold_back = "", 0
-
-    def add_token(self, token_id: int) -> bool:
-        """Append one token; returns True when a stop string appeared (text is cut before it)."""
+    def add_token(self, token_id: int) -> str:
+        """Append one token; returns the text it completes ("" while a character is incomplete)."""
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
         prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return False   # no complete character yet
+            return ""   # no complete character yet
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        # a stop string ending in the new piece starts at most hold_back characters before it,
-        # i.e. inside the pending tail: searching pending + new piece finds every stop once
-        window = self.pending + new_text[len(prefix_text):]
-        found = [(at, stop) for stop in self.stop if (at := window.find(stop)) != -1]
-        if found:
-            at, self.stopped_on = min(found)   # the earliest stop string wins
-            self._release(window[:at])
-            self.pending = ""
-            return True
-        keep = max(0, len(window) - self.hold_back)
-        self._release(window[:keep])
-        self.pending = window[keep:]
-        return False
+        return new_text[len(prefix_text):]
