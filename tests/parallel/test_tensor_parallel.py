@@ -26,7 +26,7 @@ from llmlab.engine.parallel import wire
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import (check_tensor_parallel_size, kv_heads_of_rank, named_weights,
                                           shard_weight)
-from parallel_helpers import ATOL, GREEDY, RTOL, TINY_VOCAB, build_tiny, greedy_run, kill_mid_step, shut_down
+from helpers.parallel import ATOL, GREEDY, RTOL, TINY_VOCAB, build_tiny, greedy_run, kill_mid_step, shut_down
 
 # ---- sizes and slices (no processes) -------------------------------------------------------
 

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
 
-import engine_helpers
-from engine_helpers import assert_all_blocks_free
+import helpers.engine
+from helpers.engine import assert_all_blocks_free
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
@@ -22,7 +22,7 @@ def make_engine(llm, **overrides) -> LLMEngine:
 
 
 def run_all(engine, prompts, params=GREEDY, recorder=None):
-    return engine_helpers.run_all(engine, prompts, params, recorder)
+    return helpers.engine.run_all(engine, prompts, params, recorder)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import free_port, metrics
+from helpers.server import free_port, metrics
 
 GRACE = 5    # seconds; the short request needs well under one, the long ones minutes
 

@@ -4,7 +4,7 @@ leaving every kernel call as it was, and int8 engine runs -- batching, chunked p
 preemption by swap and by recompute, prefix caching -- that give the same tokens as the
 int8 engine running each prompt alone, and give every block back.
 
-The kernels themselves are checked against kernels.reference in test_kernels.py.
+The kernels themselves are checked against kernels.reference in tests/kernels/.
 """
 import pytest
 import torch
@@ -15,8 +15,8 @@ from llmlab.config import ModelConfig
 from llmlab.kernels import reference
 from llmlab.model.llama import LlamaModel
 
-import engine_helpers
-from engine_helpers import assert_all_blocks_free
+import helpers.engine
+from helpers.engine import assert_all_blocks_free
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
            "1, 2, 3, 4,", "Explain what a hash table is to a ten year old child, step by step."]
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def run_all(engine, prompts, params=GREEDY, recorder=None):
-    return engine_helpers.run_all(engine, prompts, params, recorder)
+    return helpers.engine.run_all(engine, prompts, params, recorder)
 
 
 def outlier_rows(gen, num_rows=64, head_dim=64):

@@ -21,8 +21,8 @@ import llmlab
 from llmlab.config import ModelConfig
 from llmlab.model.gguf_convert import unpermute_qk
 from llmlab.model.loader import load_config
-from tiny_models import (LLAMA3_ROPE_SCALING, VARIANTS, VOCAB_SIZE, WEIGHT_FORMATS, build_hf_model,
-                         save)
+from helpers.hf_checkpoints import (LLAMA3_ROPE_SCALING, VARIANTS, VOCAB_SIZE, WEIGHT_FORMATS, build_hf_model,
+                                    save)
 
 MAX_TOKENS = 12
 # what ModelConfig keeps of a llama3 rope scaling (the type is implied)

@@ -16,7 +16,7 @@ import llmlab
 from llmlab.scheduler import Plan
 from llmlab.server.app import create_app
 from llmlab.server.serve import check_max_model_len
-from server_harness import metrics, running, tiny_engine
+from helpers.server import metrics, running, tiny_engine
 
 
 def test_only_allowed_hosts_are_served():

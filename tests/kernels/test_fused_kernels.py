@@ -5,7 +5,7 @@ rope_store_kv = rope, then store_kv of the rotated keys and the values. Inputs a
 of a fused qkv projection inside a NaN-padded tensor (as the model hands them over, strided),
 caches are NaN wherever no token is written, and token counts are not multiples of the
 block size; int8 caches too (fp8 through the torch backend: the interpreter's fp8 rounding
-is wrong, see test_kernels.CACHE_DTYPES; Triton's fp8 path is checked on a GPU).
+is wrong, see helpers/kernels.py's CACHE_DTYPES; Triton's fp8 path is checked on a GPU).
 """
 import pytest
 import torch
@@ -14,9 +14,9 @@ from llmlab import SamplingParams, kernels
 from llmlab.bench.launches import count_launches, decode_step, per_layer, random_engine, unfused
 from llmlab.kernels import reference
 
-from engine_helpers import run_all
-from test_kernels import (BACKEND_DTYPES, CACHE_DTYPES, FP32_TOL, LLAMA3_SCALING, NAN, SENTINEL, assert_same_with_nans,
-                          gpu, tolerance)
+from helpers.engine import run_all
+from helpers.kernels import (BACKEND_DTYPES, CACHE_DTYPES, FP32_TOL, LLAMA3_SCALING, NAN, SENTINEL, assert_same_with_nans,
+                             gpu, tolerance)
 
 
 def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, gen, dev="cpu"):
@@ -278,7 +278,7 @@ def test_model_calls_the_fused_kernel_and_not_the_pair(llm):
 
 def test_greedy_tokens_with_the_triton_pair_and_fused():
     """Triton kernels (the interpreter here), prefill and decode: fused or unfused, the same
-    greedy tokens (tests/test_engine.py checks the fused path against the torch backend on
+    greedy tokens (tests/engine/test_engine.py checks the fused path against the torch backend on
     the embedded model)."""
     engine = random_engine("small", 2, [2], 40, "triton")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

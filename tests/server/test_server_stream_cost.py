@@ -11,7 +11,7 @@ import pytest
 
 from llmlab.request import RequestOutput
 from llmlab.server.app import create_app
-from server_harness import running, tiny_engine
+from helpers.server import running, tiny_engine
 
 NUM_TOKENS = 4096
 

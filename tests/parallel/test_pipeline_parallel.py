@@ -28,7 +28,7 @@ from llmlab.engine.parallel.placement import RankLayout, stage_layers, weights_o
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tensor_parallel import named_weights
 from llmlab.viz import parallel_figures
-from parallel_helpers import ATOL, GREEDY, RTOL, TINY_VOCAB, build_tiny, greedy_run, kill_mid_step, shut_down
+from helpers.parallel import ATOL, GREEDY, RTOL, TINY_VOCAB, build_tiny, greedy_run, kill_mid_step, shut_down
 
 
 def tiny_config(num_layers=5, tied=False):

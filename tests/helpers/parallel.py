@@ -10,7 +10,7 @@ import transformers
 
 import llmlab
 from llmlab import SamplingParams
-from tiny_models import COMMON, save
+from helpers.hf_checkpoints import COMMON, save
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # The parallel runs multiply the same numbers as the whole model; only the order of the
@@ -23,7 +23,7 @@ TINY_VOCAB = 250       # not a multiple of 4: TP=4 pads the vocab-parallel embed
 
 
 def build_tiny(folder, config_name, model_name, **kwargs):
-    """A tiny HF model with every weight random (as tests/tiny_models.py builds them), saved."""
+    """A tiny HF model with every weight random (as helpers/hf_checkpoints.py builds them), saved."""
     config = getattr(transformers, config_name)(**{**COMMON, "vocab_size": TINY_VOCAB, **kwargs})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).float().eval()

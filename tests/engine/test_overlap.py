@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
-from engine_helpers import assert_all_blocks_free, run_all
+from helpers.engine import assert_all_blocks_free, run_all
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
 from llmlab.engine import batch as batches

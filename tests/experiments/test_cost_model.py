@@ -15,7 +15,7 @@ from llmlab.experiments.dense_profile import DENSE_ROWS, DenseProfile, interpola
 from llmlab.hooks import ScheduledRecord, StepRecord, Trace
 from llmlab.model.llama import LlamaModel
 
-H200_MODEL = pathlib.Path(__file__).parent.parent / "notebooks" / "data" / "h200_cost_model_llama3_8b.json"
+H200_MODEL = pathlib.Path(__file__).parents[2] / "notebooks" / "data" / "h200_cost_model_llama3_8b.json"
 
 # a CPU-like table: 2 rows cost more than 1 or 3-6 (oneDNN's kernel choice), compute-bound past 8
 PROFILE = DenseProfile(rows=[1, 2, 3, 4, 5, 6, 7, 8, 16, 64],
