@@ -16,7 +16,7 @@ from llmlab.kernels import reference
 from llmlab.model.llama import LlamaModel
 
 import helpers.engine
-from helpers.engine import assert_all_blocks_free
+from helpers.engine import assert_all_blocks_free, cpu_engine, embedded_engine
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
            "1, 2, 3, 4,", "Explain what a hash table is to a ten year old child, step by step."]
@@ -120,8 +120,7 @@ def test_swap_moves_each_blocks_scales_with_it():
 # ----------------------------------------------------------------------------- the engine
 
 def make_engine(llm, kv_cache_dtype="int8", **overrides) -> LLMEngine:
-    config = EngineConfig(device="cpu", dtype="float32", backend="torch", kv_cache_dtype=kv_cache_dtype, **overrides)
-    return LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer)
+    return embedded_engine(llm, kv_cache_dtype=kv_cache_dtype, **overrides)
 
 
 def test_auto_calls_every_kernel_as_before(llm):
@@ -209,9 +208,7 @@ def tiny_engine(backend, kv_cache_dtype="int8", **overrides):
     model = LlamaModel.random(config, torch.float32, torch.device("cpu"), seed=3)
     for layer in model.layers:   # larger weights than random()'s: clear-cut greedy argmaxes
         layer.qkv.mul_(10)
-    engine_config = EngineConfig(device="cpu", dtype="float32", backend=backend, kv_cache_dtype=kv_cache_dtype,
-                                 **overrides)
-    return LLMEngine(engine_config, model=model)
+    return cpu_engine(model, backend=backend, kv_cache_dtype=kv_cache_dtype, **overrides)
 
 
 def test_int8_triton_and_reference_backends_match_torch():

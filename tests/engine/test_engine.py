@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import llmlab
 
 import helpers.engine
-from helpers.engine import assert_all_blocks_free
+from helpers.engine import assert_all_blocks_free, embedded_engine
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
@@ -17,8 +17,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def make_engine(llm, **overrides) -> LLMEngine:
     """A fresh engine sharing the loaded embedded model (loading it again is slow)."""
-    config = EngineConfig(device="cpu", dtype="float32", backend="torch", **overrides)
-    return LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer)
+    return embedded_engine(llm, **overrides)
 
 
 def run_all(engine, prompts, params=GREEDY, recorder=None):

@@ -8,22 +8,19 @@ import torch
 
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
-from llmlab.config import ModelConfig
 from llmlab.engine import ModelRunner
 from llmlab.engine.batch import dummy_plan, num_blocks_of
 from llmlab.model.llama import LlamaModel
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler import Plan, ScheduledItem, Scheduler
 
-TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
-MODEL = LlamaModel.random(TINY, torch.float32, "cpu", seed=5)
+from helpers.engine import TINY, cpu_engine_config, tiny_model
+
+MODEL = tiny_model(seed=5)
 
 
 def cpu_config(**overrides) -> EngineConfig:
-    return EngineConfig(**{**dict(device="cpu", dtype="float32", backend="torch", block_size=4,
-                                  num_gpu_blocks=64, max_num_batched_tokens=32), **overrides})
+    return cpu_engine_config(**{**dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32), **overrides})
 
 
 def prompt(length, seed):

@@ -8,12 +8,9 @@ from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig
 from llmlab.model.llama import LlamaModel
 
+from helpers.engine import SMALL_LLAMA3
+
 pytestmark = pytest.mark.gpu
-
-SMALL_LLAMA3 = dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096)
-
 
 def greedy(dtype, backend, enforce_eager, num_gpu_blocks=512):
     config = EngineConfig(device="cuda", dtype=dtype, backend=backend, enforce_eager=enforce_eager,

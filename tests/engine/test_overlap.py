@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
-from helpers.engine import assert_all_blocks_free, run_all
+from helpers.engine import (SMALL_LLAMA3, TINY, assert_all_blocks_free, cpu_engine, embedded_engine as shared_engine,
+                            run_all, tiny_model)
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig, add_engine_arguments, engine_kwargs
 from llmlab.engine import batch as batches
@@ -21,25 +22,19 @@ from llmlab.model.llama import LlamaModel
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler import Plan, ScheduledItem
 
-TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
-MODEL = LlamaModel.random(TINY, torch.float32, "cpu", seed=5)
+MODEL = tiny_model(seed=5)
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves falling.",
            "1, 2, 3, 4,", "Explain what a hash table is to a ten year old child, step by step."]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def tiny_engine(async_scheduling: bool, **overrides) -> LLMEngine:
-    config = dict(device="cpu", dtype="float32", backend="torch", block_size=4, num_gpu_blocks=64,
-                  max_num_batched_tokens=32, async_scheduling=async_scheduling)
-    return LLMEngine(EngineConfig(**{**config, **overrides}), model=MODEL)
+    config = dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    return cpu_engine(MODEL, **{**config, **overrides})
 
 
 def embedded_engine(llm, async_scheduling: bool, **overrides) -> LLMEngine:
-    config = EngineConfig(device="cpu", dtype="float32", backend="torch", async_scheduling=async_scheduling,
-                          **overrides)
-    return LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer)
+    return shared_engine(llm, async_scheduling=async_scheduling, **overrides)
 
 
 def tiny_workload(seed: int, num_requests: int, shared_prefix: int = 0):
@@ -377,11 +372,6 @@ def test_warm_up_plans_cover_every_kernel_variant_a_step_can_ask_for():
 
 
 # ---- on a GPU (skipped without CUDA) ----------------------------------------------------------
-
-SMALL_LLAMA3 = dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096)
-
 
 def gpu_engine(async_scheduling: bool, dtype: str = "bfloat16", **overrides) -> LLMEngine:
     config = EngineConfig(**{**dict(device="cuda", dtype=dtype, num_gpu_blocks=1024, max_num_seqs=32,

@@ -1,20 +1,16 @@
 """Randomized workloads (hypothesis): whatever the scheduler does — chunked prefill, swap or
 recompute preemption, prefix caching, aborts — greedy outputs equal those of a roomy,
 unchunked engine, and every block comes back."""
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
-from llmlab import EngineConfig, LLMEngine, SamplingParams
-from llmlab.config import ModelConfig
-from llmlab.model.llama import LlamaModel
+from llmlab import LLMEngine, SamplingParams
 
-TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
+from helpers.engine import assert_all_blocks_free as assert_no_leaks, cpu_engine, tiny_model
+
 # larger-than-default weights make the tiny model's logits spread out, so greedy choices
 # are far from ties and a wrong attention row would change tokens
-MODEL = LlamaModel.random(TINY, torch.float32, "cpu", seed=3)
+MODEL = tiny_model(seed=3)
 for layer in MODEL.layers:
     layer.qkv.mul_(10)
     layer.gate_up.mul_(10)
@@ -22,10 +18,9 @@ MODEL.embed.mul_(20)
 
 
 def engine_with(**overrides) -> LLMEngine:
-    config = dict(device="cpu", dtype="float32", backend="torch", block_size=4, num_gpu_blocks=256,
-                  max_num_batched_tokens=512, enable_chunked_prefill=False)
+    config = dict(block_size=4, num_gpu_blocks=256, max_num_batched_tokens=512, enable_chunked_prefill=False)
     config.update(overrides)
-    return LLMEngine(EngineConfig(**config), model=MODEL)
+    return cpu_engine(MODEL, **config)
 
 
 def run(engine, prompts, max_tokens, abort_at=None, recorder=None):
@@ -44,14 +39,6 @@ def run(engine, prompts, max_tokens, abort_at=None, recorder=None):
             engine.abort(ids[abort_at[step]])
         assert step < 5000, "engine made no progress"
     return [outputs.get(i) for i in ids]
-
-
-def assert_no_leaks(engine):
-    stats = engine.kv_stats()
-    assert stats["free_device_blocks"] == stats["total_device_blocks"]
-    assert stats["free_host_blocks"] == stats["total_host_blocks"]
-    assert all(c == 0 for c in engine.block_manager.ref_counts)
-    assert not engine.block_manager.host_tables and not engine.requests
 
 
 workloads = st.lists(

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from llmlab.config import ModelConfig
 from llmlab.experiments import CostModel
 from llmlab.experiments.cost_model import FEATURES, step_features
 from llmlab.experiments.dense_profile import DENSE_ROWS, DenseProfile, interpolate, profile_rows
 from llmlab.hooks import ScheduledRecord, StepRecord, Trace
 from llmlab.model.llama import LlamaModel
+
+from helpers.engine import TINY
 
 H200_MODEL = pathlib.Path(__file__).parents[2] / "notebooks" / "data" / "h200_cost_model_llama3_8b.json"
 
@@ -120,9 +121,7 @@ def test_the_h200_model_saved_before_the_dense_term_predicts_as_it_did():
 
 
 def test_measure_times_every_row_count_of_a_real_model():
-    config = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
+    config = TINY
     model = LlamaModel.random(config, torch.float32, "cpu", seed=0)
     profile = DenseProfile.measure(model, max_tokens=40, max_sequences=6, repeats=2)
     assert profile.rows == profile_rows(40) and profile.head_rows == [1, 2, 3, 4, 5, 6]

@@ -5,26 +5,21 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from llmlab import EngineConfig, LLMEngine, Trace
-from llmlab.config import ModelConfig
 from llmlab.experiments import CostModel, Result, Workload, engine_meta, read_lengths, run, simulate
 from llmlab.experiments.cost_model import FEATURES, step_features
 from llmlab.hooks import RequestAdded, RequestFinished, ScheduledRecord, StepRecord
-from llmlab.model.llama import LlamaModel
 
-TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512))
-MODEL = LlamaModel.random(TINY, torch.float32, "cpu", seed=3)
+from helpers.engine import TINY, cpu_engine_config, tiny_model
+
+MODEL = tiny_model(seed=3)
 
 
 def config_with(**overrides) -> EngineConfig:
-    config = dict(device="cpu", dtype="float32", backend="torch", block_size=4, num_gpu_blocks=64,
-                  max_num_batched_tokens=32, max_num_seqs=8, swap_space=0.001)
+    config = dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, max_num_seqs=8, swap_space=0.001)
     config.update(overrides)
-    return EngineConfig(**config)
+    return cpu_engine_config(**config)
 
 
 def schedule_of(trace: Trace) -> list:

@@ -9,16 +9,14 @@ import threading
 import time
 
 import httpx
-import torch
 import uvicorn
 
-from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.engine import LLMEngine
-from llmlab.model.llama import LlamaModel
 
-TINY = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192))
+from helpers.engine import cpu_engine, tiny_config, tiny_model
+
+# the tiny model with room for streams of thousands of tokens
+LONG_CONTEXT = tiny_config(max_position_embeddings=8192)
 
 
 class CharTokenizer:
@@ -42,9 +40,8 @@ class CharTokenizer:
 
 
 def tiny_engine(**config) -> LLMEngine:
-    config = EngineConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", backend="torch",
-                                    num_gpu_blocks=1024, max_model_len=8192), **config})
-    return LLMEngine(config, model=LlamaModel.random(TINY, torch.float32, "cpu", seed=0), tokenizer=CharTokenizer())
+    config = {**dict(model="tiny-random", num_gpu_blocks=1024, max_model_len=8192), **config}
+    return cpu_engine(tiny_model(seed=0, config=LONG_CONTEXT), CharTokenizer(), **config)
 
 
 def free_port() -> int:

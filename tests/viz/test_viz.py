@@ -11,6 +11,8 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.hooks import RequestAdded, RequestFinished, ScheduledRecord, StepRecord, Trace
 from llmlab.model.llama import LlamaModel
 
+from helpers.engine import cpu_engine
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -182,9 +184,8 @@ def tiny_model():
 
 
 def tiny_engine(model, **overrides):
-    config = dict(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=12, block_size=4,
-                  max_num_batched_tokens=16)
-    return LLMEngine(EngineConfig(**{**config, **overrides}), model=model)
+    config = dict(num_gpu_blocks=12, block_size=4, max_num_batched_tokens=16)
+    return cpu_engine(model, **{**config, **overrides})
 
 
 def workload(lengths_and_arrivals, params=GREEDY):
