@@ -1,30 +1,23 @@
 """The engine loop's rooms: the ModelRunner runs plans (dummy ones too) and returns one
-logits row per sampling item; Scheduler.update does the post-step bookkeeping on its own
-(computed tokens, full-block hashes, tokens, token-level stops, freed blocks), with no model."""
-import zlib
-
+logits row per sampling item; an engine whose scheduler plans nothing says so. (Scheduler.update,
+the post-step bookkeeping, is tested without a model in tests/scheduler/test_scheduler.py.)"""
 import pytest
 import torch
 
 from llmlab import EngineConfig, SamplingParams
-from llmlab.cache.block_manager import BlockManager
 from llmlab.engine import ModelRunner
 from llmlab.engine.batch import dummy_plan, num_blocks_of
 from llmlab.model.llama import LlamaModel
-from llmlab.request import Request, RequestStatus
-from llmlab.scheduler import Plan, ScheduledItem, Scheduler
+from llmlab.request import Request
+from llmlab.scheduler import Plan, ScheduledItem
 
-from helpers.engine import TINY, cpu_engine_config, tiny_model
+from helpers.engine import TINY, cpu_engine_config, tiny_model, tiny_prompt as prompt
 
 MODEL = tiny_model(seed=5)
 
 
 def cpu_config(**overrides) -> EngineConfig:
     return cpu_engine_config(**{**dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32), **overrides})
-
-
-def prompt(length, seed):
-    return torch.randint(0, TINY.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # ---- ModelRunner ---------------------------------------------------------------------------
@@ -117,66 +110,6 @@ def test_a_chat_template_error_is_a_value_error():
     engine = LLMEngine(cpu_config(), model=MODEL, tokenizer=StrictTemplate())
     with pytest.raises(ValueError, match="chat template: roles must alternate"):
         engine.add_request([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
-
-
-# ---- Scheduler.update ------------------------------------------------------------------------
-
-def scheduler_with(num_blocks=32, eos=(), **overrides):
-    config = cpu_config(num_gpu_blocks=num_blocks, **overrides)
-    blocks = BlockManager(num_blocks, 0, config.block_size, config.enable_prefix_caching)
-    return Scheduler(config, blocks, max_model_len=num_blocks * config.block_size, eos_token_ids=eos)
-
-
-def add(scheduler, request_id, length, **params):
-    # a prompt of its own per id: with prefix caching (on by default) two requests with one
-    # prompt would share blocks, and the second would wait a step for the first's
-    request = Request(request_id, None, prompt(length, zlib.crc32(request_id.encode())), SamplingParams(**params))
-    scheduler.add(request)
-    return request
-
-
-def test_update_advances_computed_tokens_and_gives_tokens_only_to_completed_prompts():
-    scheduler = scheduler_with(max_num_batched_tokens=8)
-    long, short = add(scheduler, "long", 13, max_tokens=3), add(scheduler, "s", 3, max_tokens=3)
-    plan = scheduler.schedule()                                     # 8 tokens of the long prompt
-    assert [(i.request, i.num_tokens) for i in plan.items] == [(long, 8)] and not plan.sampling_items
-    outcome = scheduler.update(plan, [])
-    assert long.num_computed_tokens == 8 and not long.output_token_ids and outcome.advanced == []
-    plan = scheduler.schedule()                                     # the long prompt's last 5, the short's 3
-    assert [i.request for i in plan.sampling_items] == [long, short]
-    outcome = scheduler.update(plan, torch.tensor([7, 9]))          # a device tensor is read too
-    assert outcome.advanced == [long, short] and outcome.finished == []
-    assert (long.output_token_ids, short.output_token_ids) == ([7], [9])
-    assert (long.num_computed_tokens, short.num_computed_tokens) == (13, 3)
-    with pytest.raises(ValueError, match="1 sampled tokens for the plan's 2 sampling items"):
-        scheduler.update(scheduler.schedule(), [1])
-
-
-def test_update_finishes_requests_and_frees_their_blocks():
-    scheduler = scheduler_with(eos=[5])
-    eos, ignores_eos = add(scheduler, "eos", 6, max_tokens=9), add(scheduler, "ignore", 6, max_tokens=9, ignore_eos=True)
-    stop_id, length = add(scheduler, "stop-id", 6, max_tokens=9, stop_token_ids=[11]), add(scheduler, "len", 6, max_tokens=1)
-    plan = scheduler.schedule()
-    blocks = {i.request.request_id: list(i.request.block_table) for i in plan.items}
-    outcome = scheduler.update(plan, [5, 5, 11, 3])
-    assert [(r.request_id, r.finish_reason) for r in outcome.finished] == [("eos", "stop"), ("stop-id", "stop"),
-                                                                           ("len", "length")]
-    assert all(r.status == RequestStatus.FINISHED and not r.block_table for r in outcome.finished)
-    assert sorted(outcome.freed_blocks) == sorted(blocks["eos"] + blocks["stop-id"] + blocks["len"])
-    assert scheduler.running == [ignores_eos] and not ignores_eos.finished
-    # each finished prompt's full block stays in the prefix cache, and still counts as free
-    assert len(scheduler.blocks.evictable) == 3
-    assert scheduler.blocks.num_free_blocks == 32 - len(ignores_eos.block_table)
-
-
-def test_update_hashes_blocks_as_they_fill():
-    scheduler = scheduler_with(enable_prefix_caching=True, max_num_batched_tokens=6)
-    request = add(scheduler, "r", 11, max_tokens=4)
-    for full_blocks in (1, 2, 3, 3):          # computed tokens 6, 11, 12, 13; blocks of 4
-        plan = scheduler.schedule()
-        scheduler.update(plan, [1] * len(plan.sampling_items))
-        assert request.num_cached_blocks == full_blocks
-        assert sorted(scheduler.blocks.cached_blocks.values()) == request.block_table[:full_blocks]
 
 
 # ---- a scheduler that plans nothing -----------------------------------------------------------

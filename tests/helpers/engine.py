@@ -35,6 +35,11 @@ def tiny_model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
     return LlamaModel.random(config, torch.float32, "cpu", seed=seed)
 
 
+def tiny_prompt(length: int, seed: int) -> list[int]:
+    """`length` random token ids of the tiny model's vocabulary, reproducible from the seed."""
+    return torch.randint(0, TINY.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def cpu_engine_config(**overrides) -> EngineConfig:
     """An EngineConfig for a CPU run in float32 with the torch kernels; `overrides` win."""
     return EngineConfig(**{**dict(device="cpu", dtype="float32", backend="torch"), **overrides})

@@ -1,13 +1,21 @@
-"""long_prefill_token_threshold (vLLM's name): a long prompt takes at most that many tokens
-per step, so a short request that arrives behind it is admitted at once."""
+"""The Scheduler on its own, with no model. long_prefill_token_threshold (vLLM's name): a long
+prompt takes at most that many tokens per step, so a short request that arrives behind it is
+admitted at once; priority preemption; prefills that together outgrow the cache do not
+deadlock. Scheduler.update does the post-step bookkeeping (computed tokens, full-block
+hashes, tokens, token-level stops, freed blocks)."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
+import torch
 
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
-from llmlab.request import Request
+from llmlab.request import Request, RequestStatus
 from llmlab.scheduler import Scheduler
+
+from helpers.engine import cpu_engine_config, tiny_prompt as prompt
 
 
 def first_steps(threshold, steps=2):
@@ -103,3 +111,65 @@ def test_a_readmitted_request_keeps_its_first_cached_token_count():
     plan = scheduler.schedule()
     assert plan.prefix_hit_tokens["r"] == 64              # its own 4 full blocks, output included
     assert request.num_cached_prompt_tokens == 0
+
+
+# ---- Scheduler.update ------------------------------------------------------------------------
+
+def scheduler_with(num_blocks=32, eos=(), **overrides):
+    # blocks of 4 tokens, a 32-token budget (as the engine loop's tests run)
+    config = cpu_engine_config(**{**dict(block_size=4, max_num_batched_tokens=32, num_gpu_blocks=num_blocks),
+                                  **overrides})
+    blocks = BlockManager(num_blocks, 0, config.block_size, config.enable_prefix_caching)
+    return Scheduler(config, blocks, max_model_len=num_blocks * config.block_size, eos_token_ids=eos)
+
+
+def add(scheduler, request_id, length, **params):
+    # a prompt of its own per id: with prefix caching (on by default) two requests with one
+    # prompt would share blocks, and the second would wait a step for the first's
+    request = Request(request_id, None, prompt(length, zlib.crc32(request_id.encode())), SamplingParams(**params))
+    scheduler.add(request)
+    return request
+
+
+def test_update_advances_computed_tokens_and_gives_tokens_only_to_completed_prompts():
+    scheduler = scheduler_with(max_num_batched_tokens=8)
+    long, short = add(scheduler, "long", 13, max_tokens=3), add(scheduler, "s", 3, max_tokens=3)
+    plan = scheduler.schedule()                                     # 8 tokens of the long prompt
+    assert [(i.request, i.num_tokens) for i in plan.items] == [(long, 8)] and not plan.sampling_items
+    outcome = scheduler.update(plan, [])
+    assert long.num_computed_tokens == 8 and not long.output_token_ids and outcome.advanced == []
+    plan = scheduler.schedule()                                     # the long prompt's last 5, the short's 3
+    assert [i.request for i in plan.sampling_items] == [long, short]
+    outcome = scheduler.update(plan, torch.tensor([7, 9]))          # a device tensor is read too
+    assert outcome.advanced == [long, short] and outcome.finished == []
+    assert (long.output_token_ids, short.output_token_ids) == ([7], [9])
+    assert (long.num_computed_tokens, short.num_computed_tokens) == (13, 3)
+    with pytest.raises(ValueError, match="1 sampled tokens for the plan's 2 sampling items"):
+        scheduler.update(scheduler.schedule(), [1])
+
+
+def test_update_finishes_requests_and_frees_their_blocks():
+    scheduler = scheduler_with(eos=[5])
+    eos, ignores_eos = add(scheduler, "eos", 6, max_tokens=9), add(scheduler, "ignore", 6, max_tokens=9, ignore_eos=True)
+    stop_id, length = add(scheduler, "stop-id", 6, max_tokens=9, stop_token_ids=[11]), add(scheduler, "len", 6, max_tokens=1)
+    plan = scheduler.schedule()
+    blocks = {i.request.request_id: list(i.request.block_table) for i in plan.items}
+    outcome = scheduler.update(plan, [5, 5, 11, 3])
+    assert [(r.request_id, r.finish_reason) for r in outcome.finished] == [("eos", "stop"), ("stop-id", "stop"),
+                                                                           ("len", "length")]
+    assert all(r.status == RequestStatus.FINISHED and not r.block_table for r in outcome.finished)
+    assert sorted(outcome.freed_blocks) == sorted(blocks["eos"] + blocks["stop-id"] + blocks["len"])
+    assert scheduler.running == [ignores_eos] and not ignores_eos.finished
+    # each finished prompt's full block stays in the prefix cache, and still counts as free
+    assert len(scheduler.blocks.evictable) == 3
+    assert scheduler.blocks.num_free_blocks == 32 - len(ignores_eos.block_table)
+
+
+def test_update_hashes_blocks_as_they_fill():
+    scheduler = scheduler_with(enable_prefix_caching=True, max_num_batched_tokens=6)
+    request = add(scheduler, "r", 11, max_tokens=4)
+    for full_blocks in (1, 2, 3, 3):          # computed tokens 6, 11, 12, 13; blocks of 4
+        plan = scheduler.schedule()
+        scheduler.update(plan, [1] * len(plan.sampling_items))
+        assert request.num_cached_blocks == full_blocks
+        assert sorted(scheduler.blocks.cached_blocks.values()) == request.block_table[:full_blocks]
