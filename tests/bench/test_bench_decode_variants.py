@@ -18,6 +18,7 @@ def parse(*argv):
     return parser.parse_args(list(argv))
 
 
+@pytest.mark.slow
 def test_times_the_baseline_and_every_variant_and_checks_them(tmp_path):
     out = tmp_path / "variants.json"
     args = parse("--out", str(out), "--shapes", "2x40", "--num-heads", "4", "--num-kv-heads", "2",

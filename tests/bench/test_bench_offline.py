@@ -29,6 +29,7 @@ def test_settings_and_workload():
     assert requests == offline.workload(args, vocab_size=1000)          # seeded
 
 
+@pytest.mark.slow
 def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
     args = parse("--num-requests", "3", "--input-len", "40", "--output-len", "4", "--prefix-len", "32",
                  "--compare", "temperature=0.7,top_p=0.9,seed=1", "--compare-prefix-caching",

@@ -1,6 +1,8 @@
 """`llmlab bench serving` against a server that caches prefixes (llmlab's and vLLM's do by
 default): every rate of a sweep sends the same prompts, and each rate's must still be
 computed in full, or later rates would measure the cache an earlier rate filled."""
+import pytest
+
 import llmlab
 from llmlab.bench import serving
 
@@ -17,6 +19,7 @@ def test_each_rate_puts_its_own_first_word_before_the_same_prompts():
         assert [p.input_len for p in point] == [p.input_len + 1 for p in prompts]
 
 
+@pytest.mark.slow
 def test_a_prefix_caching_engine_finds_nothing_of_an_earlier_rate():
     llm = llmlab.LLM(block_size=4, num_gpu_blocks=256)
     assert llm.engine.config.enable_prefix_caching                   # the default
@@ -35,6 +38,7 @@ def test_a_prefix_caching_engine_finds_nothing_of_an_earlier_rate():
     assert hit_rate(serving.for_rate(prompts, 0)) > 0.5              # without a word of its own: cached
 
 
+@pytest.mark.slow
 def test_head_of_line_ends_when_the_long_prompt_fits_in_one_step(tmp_path):
     """A long prompt prefilled in one step finishes (and frees its blocks) before any poll
     of /metrics sees them: the benchmark used to wait for them forever. It now says the

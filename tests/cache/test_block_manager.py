@@ -2,6 +2,7 @@
 previous block's hash, and the chain equals the one computed from scratch."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from llmlab.cache.block_manager import BlockManager
@@ -37,6 +38,7 @@ def test_incremental_hashes_equal_hashes_from_scratch(prompt, outputs, block_siz
     assert len(request.block_hashes) == request.num_tokens // block_size
 
 
+@pytest.mark.slow
 def test_each_block_is_hashed_once(llm):
     """Across a whole run with prefix caching on, the number of blocks hashed equals the
     number of full blocks the requests ever had: nothing is re-hashed step after step."""

@@ -211,6 +211,7 @@ def tiny_engine(backend, kv_cache_dtype="int8", **overrides):
     return cpu_engine(model, backend=backend, kv_cache_dtype=kv_cache_dtype, **overrides)
 
 
+@pytest.mark.slow
 def test_int8_triton_and_reference_backends_match_torch():
     """The three backends' quantized kernels, end to end, with chunked prefill (mixed steps)
     and decodes long enough to span several blocks."""

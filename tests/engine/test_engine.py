@@ -181,6 +181,7 @@ def test_generate_rolls_back_on_bad_prompt(llm):
     assert_all_blocks_free(llm.engine)
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_torch_backend_on_embedded_model(llm):
     """Every kernel through Triton (its interpreter on a CPU) gives the same greedy tokens."""
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -191,6 +192,7 @@ def test_triton_backend_matches_torch_backend_on_embedded_model(llm):
     assert [o.token_ids for o in run_all(triton_engine, prompts, params)] == torch_tokens
 
 
+@pytest.mark.slow
 def test_warm_up_leaves_no_trace(llm, reference_tokens):
     """The GPU engine's start-up batches (here run on the CPU) own no blocks and change no output."""
     engine = make_engine(llm, num_gpu_blocks=256)
@@ -200,6 +202,7 @@ def test_warm_up_leaves_no_trace(llm, reference_tokens):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.slow
 def test_reference_backend_matches_torch_backend_on_embedded_model(llm):
     """The readable spec, run end to end, gives the fused torch backend's greedy tokens,
     with chunked prefill and a mixed prefill + decode step in the way."""
@@ -216,6 +219,7 @@ def test_reference_backend_matches_torch_backend_on_embedded_model(llm):
 @given(picks=st.lists(st.integers(0, len(PROMPTS) - 1), min_size=2, max_size=4),
        budget=st.integers(3, 16), blocks=st.integers(10, 16), mode=st.sampled_from(["swap", "recompute"]),
        prefix_caching=st.booleans())
+@pytest.mark.slow
 def test_random_workloads_keep_greedy_output(llm, reference_tokens, picks, budget, blocks, mode, prefix_caching):
     """Random mixes of the prompts under a small token budget and a KV cache small enough
     to preempt give each prompt's greedy tokens from running alone."""
@@ -226,6 +230,7 @@ def test_random_workloads_keep_greedy_output(llm, reference_tokens, picks, budge
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.slow
 def test_a_stop_string_that_never_matches_changes_nothing(llm):
     """A request that ends on a stop token id (as on EOS: finish_reason "stop" too) keeps its
     whole text when it also has stop strings that never matched: the text the detokenizer
@@ -307,6 +312,7 @@ def test_bad_engine_config_names_the_field(name, value):
         EngineConfig(**{name: value})
 
 
+@pytest.mark.slow
 def test_token_ids_as_a_tensor_an_array_or_numpy_integers(llm):
     """Token ids come as a list of ints, a tuple, a tensor, a numpy array or numpy integers:
     the same prompt each time; True/False are not token ids; a bare number is no prompt."""

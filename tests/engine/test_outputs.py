@@ -3,6 +3,8 @@ delta_token_ids) next to the cumulative text / token_ids, and the cumulative vie
 snapshots that later steps do not change."""
 from __future__ import annotations
 
+import pytest
+
 from llmlab import SamplingParams
 from llmlab.model.tokenizer import IncrementalDetokenizer
 
@@ -16,6 +18,7 @@ def stream(llm, prompt, params):
     return outputs
 
 
+@pytest.mark.slow
 def test_deltas_add_up_to_the_cumulative_output(llm):
     params = SamplingParams(max_tokens=24, temperature=0.0)
     outputs = stream(llm, "The capital of France is", params)
@@ -29,6 +32,7 @@ def test_deltas_add_up_to_the_cumulative_output(llm):
         assert o.text == "".join(p.delta_text for p in outputs[:i + 1])
 
 
+@pytest.mark.slow
 def test_stop_string_deltas_never_show_the_stop(llm):
     params = SamplingParams(max_tokens=12, temperature=0.0)
     full = llm.generate("Count: 1, 2, 3, 4,", params)[0].text

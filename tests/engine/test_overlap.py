@@ -80,6 +80,7 @@ def count_preemptions(engine) -> list[str]:
     dict(num_gpu_blocks=12, block_size=4, preemption_mode="swap", swap_space=0.01, max_num_batched_tokens=64),
     dict(num_gpu_blocks=12, block_size=4, preemption_mode="recompute", max_num_batched_tokens=64),
 ])
+@pytest.mark.slow
 def test_embedded_model_greedy_outputs_are_identical_with_async_scheduling(llm, overrides):
     sync = run_all(embedded_engine(llm, False, **overrides), PROMPTS, GREEDY)
     engine = embedded_engine(llm, True, **overrides)
@@ -91,6 +92,7 @@ def test_embedded_model_greedy_outputs_are_identical_with_async_scheduling(llm, 
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.slow
 def test_stops_seen_a_step_late_drop_the_extra_token(llm):
     """A stop string and a stop token end requests on a token the host reads only after the
     next step was launched: that step's token for them is dropped, the text is the same."""
@@ -108,6 +110,7 @@ def test_stops_seen_a_step_late_drop_the_extra_token(llm):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.slow
 def test_streamed_deltas_add_up_to_the_unstreamed_output(llm):
     params = SamplingParams(max_tokens=10, temperature=0, stop=[" the"])
     expected = run_all(embedded_engine(llm, False, num_gpu_blocks=128), PROMPTS, params)
@@ -138,6 +141,7 @@ def test_seeded_sampling_gives_the_same_text_alone_or_batched_overlapped(llm):
 @given(seed=st.integers(0, 10_000), num_requests=st.integers(1, 8), budget=st.integers(3, 40),
        blocks=st.integers(12, 40), mode=st.sampled_from(["swap", "recompute"]), prefix_caching=st.booleans(),
        shared_prefix=st.sampled_from([0, 9]), aborts=st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
+@pytest.mark.slow
 def test_random_workloads_match_and_leak_no_blocks(seed, num_requests, budget, blocks, mode, prefix_caching,
                                                     shared_prefix, aborts):
     """Random requests (stop tokens, lengths, a shared prefix) under a small token budget
@@ -235,6 +239,7 @@ def test_the_flag_and_its_default():
     assert EngineConfig(device="cuda", async_scheduling=True, tensor_parallel_size=2).resolved_async_scheduling() is False
 
 
+@pytest.mark.slow
 def test_bench_offline_compares_async_scheduling_on_one_engine(tmp_path):
     from llmlab.bench import offline
 

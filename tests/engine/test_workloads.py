@@ -1,6 +1,7 @@
 """Randomized workloads (hypothesis): whatever the scheduler does — chunked prefill, swap or
 recompute preemption, prefix caching, aborts — greedy outputs equal those of a roomy,
 unchunked engine, and every block comes back."""
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llmlab
@@ -53,6 +54,7 @@ def reference(prompts, max_tokens):
 
 @SETTINGS
 @given(workload=workloads, budget=st.integers(2, 24))
+@pytest.mark.slow
 def test_chunked_prefill_keeps_greedy_output(workload, budget):
     prompts, max_tokens = map(list, zip(*workload))
     engine = engine_with(enable_chunked_prefill=True, max_num_batched_tokens=budget)
@@ -65,6 +67,7 @@ def test_chunked_prefill_keeps_greedy_output(workload, budget):
 @SETTINGS
 @given(workload=workloads, mode=st.sampled_from(["swap", "recompute"]),
        chunked=st.booleans(), extra_blocks=st.integers(0, 6))
+@pytest.mark.slow
 def test_preemption_keeps_greedy_output(workload, mode, chunked, extra_blocks):
     prompts, max_tokens = map(list, zip(*workload))
     # just enough blocks for the longest request alone, plus a few: forces preemption
@@ -79,6 +82,7 @@ def test_preemption_keeps_greedy_output(workload, mode, chunked, extra_blocks):
 @SETTINGS
 @given(prefix=st.lists(st.integers(1, 127), min_size=0, max_size=20), workload=workloads,
        blocks=st.integers(12, 64))
+@pytest.mark.slow
 def test_prefix_caching_keeps_greedy_output(prefix, workload, blocks):
     prompts = [prefix + p for p, _ in workload]
     max_tokens = [n for _, n in workload]
@@ -94,6 +98,7 @@ def test_prefix_caching_keeps_greedy_output(prefix, workload, blocks):
 @SETTINGS
 @given(workload=workloads, abort_step=st.integers(1, 8), victim=st.integers(0, 5),
        mode=st.sampled_from(["swap", "recompute"]))
+@pytest.mark.slow
 def test_aborts_free_everything(workload, abort_step, victim, mode):
     prompts, max_tokens = map(list, zip(*workload))
     longest = max(len(p) + n for p, n in workload)

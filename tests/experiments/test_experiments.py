@@ -287,6 +287,7 @@ def test_bad_input_raises_a_clear_error():
 
 
 # ---- the calibration command and the figures ----------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
     import argparse
 

@@ -95,6 +95,7 @@ def test_torch_decode_attention_groups_sequences_by_length():
 
 
 @pytest.mark.parametrize("num_splits", [0, None])
+@pytest.mark.slow
 def test_decode_attention_chooses_splits(num_splits):
     check_decode_attention("triton", torch.float32, 3, 1, 64, 16, [5, 60], num_splits)
 

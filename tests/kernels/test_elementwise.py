@@ -60,6 +60,7 @@ def test_rope(backend, dtype, num_heads, num_kv_heads, head_dim, scaling):
     torch.testing.assert_close(actual[1], expected[1], **tolerance(dtype, rope=True))
 
 
+@pytest.mark.slow
 def test_rope_inplace_and_empty():
     from llmlab.kernels.triton.rope import rope
     gen = torch.Generator().manual_seed(3)

@@ -105,6 +105,7 @@ def test_quantized_rope_store_kv(backend, cache_dtype, dtype, num_heads, num_kv_
     assert ((codes - wanted).nan_to_num(0.0).abs() <= step).all()
 
 
+@pytest.mark.slow
 def test_triton_rope_store_kv_is_bit_exact_with_the_triton_pair():
     """The interpreter does the same fp32 ops fused as apart: the same bits, int8 codes included."""
     gen = torch.Generator().manual_seed(32)
@@ -203,6 +204,7 @@ def test_rope_store_decode_attention_llama3_scaling_long_positions(backend):
     check_fused_decode(backend, torch.float32, [70, 33, 2], (8, 2, 64), 16, 2, LLAMA3_SCALING, gen)
 
 
+@pytest.mark.slow
 def test_rope_store_decode_attention_quantized_cache_runs_the_pair():
     """int8: the fused path is full precision only; the Triton entry point runs the pair,
     which gives what the pair gives, bit for bit."""
@@ -276,6 +278,7 @@ def test_model_calls_the_fused_kernel_and_not_the_pair(llm):
     assert set(calls) == {"rope_store_kv"}
 
 
+@pytest.mark.slow
 def test_greedy_tokens_with_the_triton_pair_and_fused():
     """Triton kernels (the interpreter here), prefill and decode: fused or unfused, the same
     greedy tokens (tests/engine/test_engine.py checks the fused path against the torch backend on
@@ -290,6 +293,7 @@ def test_greedy_tokens_with_the_triton_pair_and_fused():
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.slow
 def test_a_decode_step_launches_two_kernels_fewer_per_layer(batch_size):
     """Counted on the Triton backend (the GPU's launch sequence): a decode step without
     flash-decoding splits runs rope,

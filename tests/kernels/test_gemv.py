@@ -9,6 +9,7 @@ from llmlab.kernels.dense.gemv import GEMV_CONFIGS, config_for, gemv
 
 
 @pytest.mark.parametrize("n,k", [(40, 96), (33, 2048), (16, 1024), (7, 1500)])
+@pytest.mark.slow
 def test_gemv_matches_f_linear(n, k):
     gen = torch.Generator().manual_seed(n * k)
     weight = torch.randn(n, k, generator=gen)
@@ -19,6 +20,7 @@ def test_gemv_matches_f_linear(n, k):
         torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_gemv_reads_only_its_weight_rows():
     """A weight that is a row slice of a bigger matrix (strided rows): the rows around it,
     NaN, must not leak into the result, and rows past N are never written."""
@@ -59,6 +61,7 @@ def test_gpu_decode_rows_take_triton_and_match_cublas(monkeypatch):
 
 
 @pytest.mark.parametrize("m,n,k", [(2, 40, 96), (5, 70, 300), (17, 33, 256), (64, 130, 512), (33, 16, 1500)])
+@pytest.mark.slow
 def test_skinny_gemm_matches_f_linear(m, n, k):
     """2-64 rows: every row padded into one tile, N and K tails masked, each shipped tile."""
     from llmlab.kernels.dense.skinny_gemm import config_for as skinny_config_for, skinny_gemm
@@ -73,6 +76,7 @@ def test_skinny_gemm_matches_f_linear(m, n, k):
         torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_swiglu_gemm_is_silu_mul_of_the_product():
     """gate_up and silu_mul in one kernel: a strided x and a gate_up slice of a NaN-filled
     matrix (nothing around them may leak in), I and K not multiples of the tile."""
@@ -124,6 +128,7 @@ def test_gpu_swiglu_gemm_routing_and_agreement(monkeypatch):
         assert not fused
 
 
+@pytest.mark.slow
 def test_skinny_gemm_padding_rows_and_columns_stay_out():
     """NaN around a strided x and weight: nothing outside them reaches the result."""
     from llmlab.kernels.dense.skinny_gemm import skinny_gemm
@@ -148,6 +153,7 @@ def test_skinny_gemm_padding_rows_and_columns_stay_out():
     (40, 64, "n32-k32-w4-s2-split4"),     # 2 slices over 4: two programs get none
     (130, 512, "n128-k128-w8-s4-split2"),  # whole slices, K exactly split
 ])
+@pytest.mark.slow
 def test_split_k_matches_f_linear(m, n, k, config):
     from llmlab.kernels.dense import skinny_gemm as triton_skinny_gemm
     from llmlab.kernels.dense.gemv import GemvConfig
@@ -166,6 +172,7 @@ def test_split_k_matches_f_linear(m, n, k, config):
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_split_k_is_bitwise_repeatable_and_leaves_counters_at_zero():
     """Two calls give the same bits (the reduction's order is fixed), and each leaves every
     tile counter at 0, which the next call and CUDA graph replays count from."""
@@ -183,6 +190,7 @@ def test_split_k_is_bitwise_repeatable_and_leaves_counters_at_zero():
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
+@pytest.mark.slow
 def test_split_k_reuses_its_workspace_for_any_row_count():
     """One workspace per (device, split, padded N, tiles), sized for 64 rows on the first call, so a
     CUDA graph captured after an eager call of another batch size allocates nothing."""
@@ -199,6 +207,7 @@ def test_split_k_reuses_its_workspace_for_any_row_count():
     assert all(triton_skinny_gemm._split_buffers[key][0] is buffers[key][0] for key in buffers)
 
 
+@pytest.mark.slow
 def test_split_k_tiles_of_another_width_and_the_same_padded_n_get_their_own_counters():
     """96 outputs pad to 128 in one 128-wide tile or two 64-wide ones: the second needs two
     counters, not the one the first left behind."""

@@ -116,6 +116,7 @@ Q8_LENGTHS = [1, 127, 129, 256, 280, 64]
 @pytest.mark.parametrize("variant,block_size", [(variant, 16) for variant in Q8_VARIANTS] +
                          [("packed-n128-w4-s2", 32), ("packed-n256-w8-s1", 32)])
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.slow
 def test_quantized_decode_attention_variants(variant, cache_dtype, block_size):
     from llmlab.kernels.triton.decode_attention import decode_attention
 
@@ -132,6 +133,7 @@ def test_quantized_decode_attention_variants(variant, cache_dtype, block_size):
 
 
 @pytest.mark.parametrize("variant", ["cast-n64-w4-s2", "packed-n128-w4-s2"])
+@pytest.mark.slow
 def test_quantized_decode_attention_queries_beyond_fp16s_half_range(variant):
     """|q| > 2^15 would overflow the kernel's fp16 dots once multiplied out: it halves q
     exactly and doubles the scores instead."""

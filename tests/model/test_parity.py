@@ -1,7 +1,11 @@
 """The embedded model through llmlab matches HF transformers loading the same GGUF file."""
+import pytest
 import torch
 
 import llmlab
+
+# HF transformers loads the same GGUF file once (the hf_model fixture): about 45 s on a CPU
+pytestmark = pytest.mark.slow
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -144,6 +144,7 @@ def engines(folder, **engine_kwargs):
     # 4 ranks: 2 stages of 2 tensor-parallel ranks each (kv heads split 1 a rank)
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), dict(num_gpu_blocks=64, block_size=16)),
 ], ids=["pp2-swap", "tp2xpp2"])
+@pytest.mark.slow
 def test_tiny_model_gives_the_same_logits(tmp_path, parallel, engine_kwargs):
     folder = build_tiny(tmp_path / "model", "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -166,6 +167,7 @@ def test_tiny_model_gives_the_same_logits(tmp_path, parallel, engine_kwargs):
         assert any(step.swapped_out for step in whole_trace.steps), "no request was swapped out"
 
 
+@pytest.mark.slow
 def test_embedded_model_pp2_gives_the_same_greedy_text(llm):
     prompts = ["What is the capital of France?", "Write a short poem about autumn leaves falling."]
     reference = llm.generate(prompts, GREEDY)
@@ -181,6 +183,7 @@ def test_embedded_model_pp2_gives_the_same_greedy_text(llm):
 
 
 
+@pytest.mark.slow
 def test_pp2_under_async_scheduling_gives_the_same_tokens(tmp_path):
     """Async scheduling (on by default on GPUs) feeds a step's sampled tokens to the next
     step on the device, before the host sees them: the broadcast must carry them."""
@@ -207,6 +210,7 @@ def tiny_pp2_engine(tmp_path):
     assert multiprocessing.active_children() == [] and not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_timeline_holds_every_rank_s_micro_batches_in_causal_order(tiny_pp2_engine):
     engine = tiny_pp2_engine
     for n in (9, 14, 6):
@@ -226,6 +230,7 @@ def test_a_timeline_holds_every_rank_s_micro_batches_in_causal_order(tiny_pp2_en
     assert len(engine.executor.timeline) == 4
 
 
+@pytest.mark.slow
 def test_a_worker_killed_inside_a_step_is_reported_and_nothing_hangs(tiny_pp2_engine):
     engine = tiny_pp2_engine
     engine.add_request([1, 2, 3], GREEDY)
@@ -245,6 +250,7 @@ def test_pipeline_larger_than_the_model_is_refused_before_starting_anything(tmp_
     assert multiprocessing.active_children() == [] and not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_offline_benchmark_smoke_run_at_pp2_with_2_layers_a_rank(tmp_path):
     folder = build_tiny(tmp_path / "model", "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2)

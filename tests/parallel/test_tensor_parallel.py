@@ -88,6 +88,7 @@ def test_shards_put_together_are_the_whole_model():
 
 # ---- the sharded engine against the whole model ------------------------------------------------
 
+@pytest.mark.slow
 def test_embedded_model_tp3_gives_the_same_greedy_text(llm):
     prompts = ["What is the capital of France?", "Write a short poem about autumn leaves falling."]
     reference = llm.generate(prompts, GREEDY)
@@ -112,6 +113,7 @@ def test_embedded_model_tp3_gives_the_same_greedy_text(llm):
      dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
      dict(num_gpu_blocks=64, block_size=16)),
 ], ids=["tp2-kv-split-swap", "tp4-kv-replicated-bias-tied"])
+@pytest.mark.slow
 def test_tiny_models_give_the_same_logits(tmp_path, tp, config_name, model_name, kwargs, engine_kwargs):
     folder = build_tiny(tmp_path / "model", config_name, model_name, **kwargs)
     generator = torch.Generator().manual_seed(tp)
@@ -149,6 +151,7 @@ def tiny_tp2_engine(tmp_path):
     assert multiprocessing.active_children() == [] and not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_worker_error_reaches_rank_0_with_its_traceback(tiny_tp2_engine):
     engine = tiny_tp2_engine
     wire.broadcast_header(engine.executor.groups, [99])    # no such message: the worker raises on it
@@ -160,6 +163,7 @@ def test_a_worker_error_reaches_rank_0_with_its_traceback(tiny_tp2_engine):
     assert not engine.executor.workers[0].process.is_alive()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_reported_by_rank_0(tiny_tp2_engine):
     engine = tiny_tp2_engine
     engine.add_request([1, 2, 3], GREEDY)
@@ -171,6 +175,7 @@ def test_a_killed_worker_is_reported_by_rank_0(tiny_tp2_engine):
         engine.step()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_inside_a_step_is_reported_and_nothing_hangs(tiny_tp2_engine):
     engine = tiny_tp2_engine
     engine.add_request([1, 2, 3], GREEDY)

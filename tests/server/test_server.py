@@ -100,6 +100,7 @@ def test_health_models_and_auth(server, client):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+@pytest.mark.slow
 def test_completion_matches_generate(server, client, llm):
     prompt = "The capital of France is"
     expected = llm.generate(prompt, llmlab.SamplingParams(**GREEDY))[0]
@@ -122,6 +123,7 @@ def test_completion_matches_generate(server, client, llm):
     assert response.choices[0].text == expected.text
 
 
+@pytest.mark.slow
 def test_chat_matches_llm_chat(server, client, llm):
     messages = [{"role": "system", "content": "You answer in one short sentence."},
                 {"role": "user", "content": "What is the largest planet?"}]
@@ -151,6 +153,7 @@ def test_stop_strings_and_seeded_sampling_match_generate(server, client, llm):
         assert (response.choices[0].text, response.choices[0].finish_reason) == (expected.text, expected.finish_reason)
 
 
+@pytest.mark.slow
 def test_32_concurrent_streaming_clients(server, llm):
     """All 32 share engine steps; each gets exactly its own greedy text; nothing leaks."""
     prompts = [f"Write a list of {i} things to do in a city called Number{i}:" for i in range(32)]

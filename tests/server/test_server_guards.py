@@ -36,6 +36,7 @@ def test_only_allowed_hosts_are_served():
             assert response.status_code == 200, host
 
 
+@pytest.mark.slow
 def test_an_empty_api_key_is_refused_at_start():
     with pytest.raises(ValueError, match="API key is empty"):
         create_app(tiny_engine(), api_key="")

@@ -17,6 +17,8 @@ import pytest
 
 from helpers.server import free_port, metrics
 
+pytestmark = pytest.mark.slow     # a `llmlab serve` process of its own
+
 GRACE = 5    # seconds; the short request needs well under one, the long ones minutes
 
 

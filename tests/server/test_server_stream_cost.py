@@ -35,6 +35,7 @@ def cumulative_reads(monkeypatch):
     return reads
 
 
+@pytest.mark.slow
 def test_a_4096_token_stream_does_constant_work_per_token(cumulative_reads):
     app = create_app(tiny_engine())
     payload = {"prompt": [5, 6, 7], "max_tokens": NUM_TOKENS, "ignore_eos": True, "temperature": 0.0,

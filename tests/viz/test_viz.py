@@ -312,6 +312,7 @@ def test_online_softmax_steps_end_at_the_softmax():
     assert list(first.y) == pytest.approx(x[:3].softmax(-1).tolist(), abs=1e-6)   # exact over what it has seen
 
 
+@pytest.mark.slow
 def test_record_launches_sees_the_launchers_grid():
     from llmlab import kernels
     from llmlab.kernels.triton import rms_norm as triton_rms_norm, silu_mul as triton_silu_mul
@@ -393,6 +394,7 @@ def test_kernel_benchmark_and_serving_latency_draw_their_numbers():
     assert list(p99_e2e.x) == ["1 req/s", "inf req/s"] and list(p99_e2e.y) == [52, 92]
 
 
+@pytest.mark.slow
 def test_figures_of_the_embedded_model(llm):
     """A short real run of SmolLM2 with prefix caching: the figures show what happened."""
     engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=64,
