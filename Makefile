@@ -9,13 +9,18 @@ STAMP := $(VENV)/.installed
 # missing folder is not an error.
 NOTEBOOKS := $(if $(wildcard notebooks/*.ipynb),notebooks)
 
-.PHONY: demo test grade lab clean
+.PHONY: demo test test-fast grade lab clean
 
 demo: $(STAMP)
 	$(VENV)/bin/llmlab demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests --nbval-lax $(NOTEBOOKS)
+
+# The inner loop: every test not marked `slow` (no Triton interpreter, no processes, none over
+# ~5 s on a CPU), every folder of tests/ still has some; no notebooks. `make test` runs them all.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest tests -m "not slow"
 
 # Grades exercises/ with the same tests that pass on solutions/, each exercise in a process
 # of its own: one that crashes (an out-of-bounds read) or hangs shows in the table, the rest

@@ -30,7 +30,21 @@ def hf_model():
     return model.eval()
 
 
+def runs_triton(item) -> bool:
+    """A test parametrized with backend="triton": on a machine without CUDA its kernels run in
+    Triton's interpreter, about a millisecond per program instance. (Tests that call Triton
+    without that parameter are marked `slow` where they are written; tests/exercises/conftest.py
+    marks the exercises written in Triton.)"""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("backend") == "triton"
+
+
 def pytest_collection_modifyitems(config, items):
+    # `slow`, left out by `make test-fast`: Triton's interpreter, processes (parallel ranks, a
+    # server of its own), or more than ~5 s on a 2-core CPU. The same tests on any machine.
+    for item in items:
+        if runs_triton(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -54,7 +54,8 @@ def test_missing_files_and_out_folders_and_no_server(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,words", [
     (["bench", "offline", "--compare", "temperature"], ["--compare", "temperature needs a number"]),
-    (["bench", "offline", "--min-len", "8", "--max-len", "4"], ["--min-len 8", "min <= max"]),
+    pytest.param(["bench", "offline", "--min-len", "8", "--max-len", "4"], ["--min-len 8", "min <= max"],
+                 marks=pytest.mark.slow),       # it builds the engine before it checks the lengths
     (["bench", "serving", "--rate", "abc"], ["--rate must be positive numbers"]),
     (["bench", "simulate", "--cost-model", "c.json", "--prompt-len", "32"], ["--prompt-len must be LOW,HIGH"]),
     (["bench", "simulate", "--cost-model", "c.json", "--output-len", "9,3"], ["--output-len", "LOW <= HIGH"]),

@@ -130,6 +130,7 @@ def triton_sample_module():
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 3, 6])
+@pytest.mark.slow
 def test_triton_rejection_rounds_and_the_radix_fallback_agree(rounds, monkeypatch):
     """However many rejection checks run before the radix passes take over (0: radix only),
     every row gets the reference's token."""
@@ -139,6 +140,7 @@ def test_triton_rejection_rounds_and_the_radix_fallback_agree(rounds, monkeypatc
     assert torch.equal(kernels.sample(*args, backend="triton"), reference.sample(*args))
 
 
+@pytest.mark.slow
 def test_triton_rejection_rounds_settle_rows_on_their_own(monkeypatch):
     """With the radix passes broken, rows settled by the rounds still get the reference's
     token: the rounds do the work (the radix passes are only the fallback)."""
@@ -216,6 +218,7 @@ def test_bad_values_are_rejected():
             SamplingParams(**bad)
 
 
+@pytest.mark.slow
 def test_a_seed_gives_the_same_text_alone_batched_and_reordered(llm):
     """The noise is keyed on (seed, position, token), so nothing about the batch matters."""
     seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import warnings
 from collections import defaultdict
 
 import pytest
 
-from grading import DEVICE, SMOKE_CALLS, load
+from grading import DEVICE, SMOKE_CALLS, TRITON_EXERCISES, load
 from report import Grade, exercise_of, table
 
 _grades: dict[str, Grade] = defaultdict(Grade)   # exercise -> what its tests did
@@ -81,6 +82,23 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "test_pristine_exercises.py" and config.getoption("--impl") == "exercises":
         return True
     return None
+
+
+# The exercises written in Triton. On a machine without CUDA their graders run them in Triton's
+# interpreter, so their tests (and their smoke calls in test_pristine_exercises.py) are `slow`:
+# `make test-fast` leaves them out, `make test` and `make grade` run them.
+WRITTEN_IN_TRITON = {*TRITON_EXERCISES, "ex12_quantized_store_kv"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:     # every item of the session comes here: only this folder's are ours
+        if item.path.parent != pathlib.Path(__file__).parent:
+            continue
+        exercise = exercise_of(item.nodeid)
+        if item.originalname == "test_solution_runs_the_smoke_calls":
+            exercise = item.callspec.params["name"]
+        if exercise in WRITTEN_IN_TRITON:
+            item.add_marker(pytest.mark.slow)
 
 
 # Fixtures that load the 30-layer model: built only for an exercise that is written.

@@ -7,7 +7,6 @@ millisecond per program instance, so the inputs are small and float32 only.
 from __future__ import annotations
 
 import importlib
-import math
 import pathlib
 import sys
 
@@ -18,6 +17,7 @@ from llmlab import kernels
 from llmlab.kernels import reference
 
 from diagnose import check_attention, check_same_text, fail
+from helpers import kernels as kernel_inputs
 
 # Triton decides at @triton.jit time whether to interpret: switch it on before any
 # exercise module is imported.
@@ -60,32 +60,17 @@ def randn(*shape, gen, scale=1.0):
 
 def randn_view(*shape, gen):
     """N(0, 1) values in a view of a NaN-filled tensor one longer in every dim: a kernel
-    that reads past an edge of the view gets NaN into its result."""
-    base = torch.full([s + 1 for s in shape], NAN, device=DEVICE)
-    view = base[tuple(slice(0, s) for s in shape)]
-    view.copy_(torch.randn(shape, generator=gen))
-    return view
+    that reads past an edge of the view gets NaN into its result (float32, on DEVICE)."""
+    return kernel_inputs.randn_view(*shape, dtype=torch.float32, gen=gen, dev=DEVICE)
 
 
 def paged_kv(seq_lens, block_size, num_kv_heads, head_dim, gen, spare_blocks=3):
     """K/V caches holding random rows for each sequence's first seq_len tokens in shuffled
     blocks, and the block tables that find them. Every slot no sequence owns is NaN, and
-    block 0 (where masked lanes of a careless kernel read) is never a sequence's."""
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, NAN), torch.full(shape, NAN)
-    block_ids = (1 + torch.randperm(num_blocks - 1, generator=gen)).to(torch.int32)
-    block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq, default=0) + 1), dtype=torch.int32)
-    used = 0
-    for i, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq)):
-        block_tables[i, :n] = block_ids[used:used + n]
-        used += n
-        positions = torch.arange(seq_len)
-        slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+    block 0 (where masked lanes of a careless kernel read) is never a sequence's. The kernel
+    tests' own paged caches (tests/helpers/kernels.py), in float32 on DEVICE."""
+    return kernel_inputs.paged_kv(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, gen, DEVICE,
+                                  spare_blocks)
 
 
 def assert_same_with_nans(actual, expected, case="the cache"):

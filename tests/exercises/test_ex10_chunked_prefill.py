@@ -110,6 +110,7 @@ def test_same_schedule_as_llmlab(ex, token_budget, max_num_seqs):
 # case also cuts prompts into chunks.
 @pytest.mark.parametrize("token_budget,max_num_seqs", [(512, 2), (12, 3)],
                          ids=["max-num-seqs-binds", "both-bind"])
+@pytest.mark.slow
 def test_same_schedule_as_the_engine(ex, engine_llm, token_budget, max_num_seqs):
     """The real engine with the embedded model: before every step, your function gets the
     state the trace shows, and must choose what the engine ran."""

@@ -79,6 +79,7 @@ def test_ties_at_the_cut_are_kept(ex):
     torch.testing.assert_close(ex.top_p_filter(logits, 0.5).softmax(-1), sampler_probabilities(logits, 0.5))
 
 
+@pytest.mark.slow
 def test_end_to_end(ex, llm):
     """The engine's sampler with your filter in place of llmlab's top-p cut: seeded top-p
     sampling generates the same tokens (the noise and the draw are llmlab's own)."""

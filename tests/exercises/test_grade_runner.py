@@ -24,6 +24,7 @@ def test_never_ends():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_segfault_is_reported_and_a_hang_times_out(tmp_path):
     # grade.py passes --impl; here nothing else of the grader's plugin is needed

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_harness import free_port
+from helpers.server import free_port
 
 
 @dataclass

@@ -21,7 +21,7 @@ import uvicorn
 from llmlab.server.app import create_app
 from llmlab.server.connections import ConnectionLimits
 from llmlab.server.serve import add_arguments, server_config
-from server_harness import free_port, tiny_engine
+from helpers.server import free_port, tiny_engine
 
 LIMITS = ConnectionLimits(timeout_read=0.5, timeout_keep_alive=0.5, max_connections=3)
 WAIT = 10    # seconds: a socket's own timeout; the server must close well before

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from llmlab.server.app import create_app
-from server_harness import running, tiny_engine
+from helpers.server import running, tiny_engine
 
 USER = [{"role": "user", "content": "Hi"}]
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from llmlab.server.app import create_app
-from server_harness import running, tiny_engine
+from helpers.server import running, tiny_engine
 
 BODY = {"prompt": "Hi", "max_tokens": 1}
 

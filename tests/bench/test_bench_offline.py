@@ -1,0 +1,72 @@
+"""`llmlab bench offline` runs the paths users take: several sampling settings side by side,
+prefix caching off and on from a cold cache each time, prompts sharing a prefix."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from llmlab.bench import offline
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    offline.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_settings_and_workload():
+    args = parse("--num-requests", "6", "--input-len", "5", "--output-len", "3", "--prefix-len", "20",
+                 "--num-prefixes", "2", "--temperature", "0.7", "--top-p", "0.9",
+                 "--compare", "greedy", "temperature=1.0,top_k=50,seed=3")
+    settings = offline.sampling_settings(args)
+    assert [offline.describe(s) for s in settings] == [
+        "temperature=0.7, top_p=0.9", "greedy", "temperature=1.0, top_k=50, seed=3"]
+    workload = offline.build_workload(args, vocab_size=1000)
+    prompts = [r.prompt_token_ids for r in workload]
+    assert [len(ids) for ids in prompts] == [25] * 6 and [r.output_len for r in workload] == [3] * 6
+    assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20]
+    assert workload == offline.build_workload(args, vocab_size=1000)          # seeded
+
+
+@pytest.mark.slow
+def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
+    args = parse("--num-requests", "3", "--input-len", "40", "--output-len", "4", "--prefix-len", "32",
+                 "--compare", "temperature=0.7,top_p=0.9,seed=1", "--compare-prefix-caching",
+                 "--num-gpu-blocks", "64", "--max-num-seqs", "1", "--warmup", "light", "--out", str(tmp_path / "r.json"))
+    results = offline.main(args)
+    assert [(r["sampling"], r["prefix_caching"]) for r in results] == [
+        ("greedy", False), ("temperature=0.7, top_p=0.9, seed=1", False),
+        ("greedy", True), ("temperature=0.7, top_p=0.9, seed=1", True)]
+    # one request at a time, from a cold cache each time: requests 2 and 3 find the 2-block prefix
+    assert results[2]["prefix_hit_rate"] == results[3]["prefix_hit_rate"] > 0
+    assert (tmp_path / "r.json").exists()
+
+
+def test_the_random_model_takes_the_command_lines_engine_flags():
+    """`--model random-llama3-8b` (the GPU benchmarks) builds its EngineConfig from the
+    command line: flags left unset (None in the namespace) keep the defaults, set ones win."""
+    from llmlab.bench.common import random_engine_config
+    from llmlab.cli_flags import engine_kwargs
+
+    args = parse("--model", "random-llama3-8b", "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.25")
+    config = random_engine_config(args, engine_args=engine_kwargs(args))
+    assert (config.enforce_eager, config.tensor_parallel_size) == (False, 1)
+    assert (config.kv_cache_dtype, config.gpu_memory_utilization) == ("int8", 0.25)
+    args = parse("--model", "random-llama3-8b", "--enforce-eager")
+    assert random_engine_config(args, engine_args=engine_kwargs(args)).enforce_eager is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_random_8b_model_on_a_cpu_is_a_clear_error_before_any_weight_is_made(monkeypatch):
+    """32 GB of float32 weights would be built first, and the process killed for memory."""
+    from llmlab.model.llama import LlamaModel
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights built before the device was checked")
+
+    monkeypatch.setattr(LlamaModel, "random", never)
+    for argv in (["--model", "random-llama3-8b"], ["--model", "random-llama3-8b", "--device", "cuda"]):
+        with pytest.raises(ValueError, match="CUDA"):
+            offline.build_llm(parse(*argv))

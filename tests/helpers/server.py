@@ -1,0 +1,75 @@
+"""Helpers for the server tests: a real uvicorn server on a free loopback port, and a tiny
+random-weight engine with a one-character-per-token tokenizer (fast enough for streams of
+thousands of tokens on a CPU)."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from llmlab.engine.engine import LLMEngine
+
+from helpers.engine import cpu_engine, tiny_config, tiny_model
+
+# the tiny model with room for streams of thousands of tokens
+LONG_CONTEXT = tiny_config(max_position_embeddings=8192)
+
+
+class CharTokenizer:
+    """Token t <-> the character chr(32 + t % 95): every token is exactly one printable
+    character, so text lengths count tokens. Records the threads it ran on."""
+    eos_token_id = None
+    vocab_size = 128
+
+    def __init__(self):
+        self.threads: set[str] = set()
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.add(threading.current_thread().name)
+        return [(ord(c) - 32) % 95 for c in text]
+
+    def decode(self, token_ids, skip_special_tokens=True) -> str:
+        return "".join(chr(32 + t % 95) for t in token_ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+
+def tiny_engine(**config) -> LLMEngine:
+    config = {**dict(model="tiny-random", num_gpu_blocks=1024, max_model_len=8192), **config}
+    return cpu_engine(tiny_model(seed=0, config=LONG_CONTEXT), CharTokenizer(), **config)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(app, timeout: float = 60):
+    """Serve `app` with uvicorn in a background thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}

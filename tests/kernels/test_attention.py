@@ -1,0 +1,178 @@
+"""Paged attention, prefill and decode: both kernel backends compute what the pure-torch spec
+in `llmlab.kernels.reference` says -- the "torch" backend (fused torch ops) and the Triton
+kernels.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter (slow, so the
+parameter grids below are a representative cross-section, not the full product). The
+`gpu` group repeats the checks with bf16/fp16 and Llama-3-8B shapes on a CUDA device.
+
+Out-of-bounds reads are made visible: queries are views into larger NaN-filled tensors,
+and every cache slot that no sequence owns is NaN, so a kernel that reads one returns
+NaN. The 8-bit cache's kernels are in test_quantized_kernels.py.
+"""
+import pytest
+import torch
+
+from llmlab import kernels
+from llmlab.kernels import reference
+from llmlab.kernels.triton.decode_attention import choose_num_splits
+
+from helpers.kernels import (BACKEND_DTYPES, BACKENDS, D, FP32_TOL, GPU_DTYPES, H, HKV, gpu, paged_kv, prefill_lengths,
+                             ragged, randn_view, tolerance)
+
+
+GQA = pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2), (8, 1)],
+                              ids=["mha", "gqa3", "gqa4", "gqa8"])
+
+
+@pytest.mark.parametrize("lengths", ["ragged", "chunked"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@GQA
+@BACKEND_DTYPES
+def test_prefill_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, lengths):
+    seq_lens, query_lens = prefill_lengths(lengths, block_size)
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    q = randn_view(sum(query_lens), num_heads, head_dim, dtype=dtype, gen=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    actual = kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                       backend=backend)
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+@BACKENDS
+def test_prefill_attention_empty_batch(backend):
+    k_cache, v_cache, block_tables = paged_kv([], 16, 2, 64, torch.float32, torch.Generator())
+    out = kernels.prefill_attention(torch.zeros(0, 4, 64), k_cache, v_cache, block_tables,
+                                    torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                                    0.125, backend=backend)
+    assert out.shape == (0, 4, 64)
+
+
+def check_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits):
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    q = randn_view(len(seq_lens), num_heads, head_dim, dtype=dtype, gen=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                                      backend=backend)
+    # The reference reads whole blocks and masks afterwards (0 * NaN = NaN), so it gets
+    # the caches with the unowned slots zeroed; the kernel must never read them at all.
+    expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                                          block_tables, seq_lens, scale)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["v1", "v2"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@GQA
+@BACKEND_DTYPES
+def test_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    check_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, ragged(block_size), num_splits)
+
+
+@BACKENDS
+def test_decode_attention_more_splits_than_tiles(backend):
+    """Splits past the end of a short sequence are empty and must weigh nothing."""
+    check_decode_attention(backend, torch.float32, 4, 1, 128, 16, [1, 100], num_splits=5)
+
+
+def test_torch_decode_attention_groups_sequences_by_length():
+    """Short and long contexts in one batch: the torch backend gathers them in groups of
+    similar length (each padded only to its own longest), out of batch order."""
+    from llmlab.kernels.torch_backend import decode_groups
+
+    seq_lens = [3, 700, 20, 1500, 64, 5, 900, 33]
+    groups = decode_groups(seq_lens, 16)
+    assert len(groups) > 1 and sorted(i for g in groups for i in g) == list(range(len(seq_lens)))
+    check_decode_attention("torch", torch.float32, 6, 2, 64, 16, seq_lens, 1)
+
+
+@pytest.mark.parametrize("num_splits", [0, None])
+@pytest.mark.slow
+def test_decode_attention_chooses_splits(num_splits):
+    check_decode_attention("triton", torch.float32, 3, 1, 64, 16, [5, 60], num_splits)
+
+
+@BACKENDS
+def test_decode_attention_empty_batch(backend):
+    k_cache, v_cache, block_tables = paged_kv([], 16, 2, 64, torch.float32, torch.Generator())
+    out = kernels.decode_attention(torch.zeros(0, 4, 64), k_cache, v_cache, block_tables,
+                                   torch.zeros(0, dtype=torch.int32), 0.125, 1, backend=backend)
+    assert out.shape == (0, 4, 64)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(64, 8, 4096) == 1         # 512 programs already fill 132 SMs 4 deep
+    assert choose_num_splits(1, 8, 200) == 1           # short context: nothing worth splitting
+    assert choose_num_splits(1, 8, 32768) > 8          # 8 programs would leave most SMs idle
+    assert choose_num_splits(4, 8, 32768) < choose_num_splits(1, 8, 32768)
+    assert choose_num_splits(0, 8, 4096) == 1
+    assert choose_num_splits(64, 8, 4096, programs_per_sm=8, min_split_tokens=512) == 2  # the 8-bit kernel
+    assert choose_num_splits(64, 8, 512, programs_per_sm=8, min_split_tokens=512) == 1   # splits more, in
+    assert choose_num_splits(8, 8, 2048, programs_per_sm=8, min_split_tokens=512) == 4   # long ranges
+
+
+# ----------------------------------------------------------------------------- GPU, 16-bit, large
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([4096], [4096]),                                   # one long prompt
+    ([1, 15, 16, 17, 600, 2500], [1, 15, 16, 17, 600, 2500]),
+    ([5000, 300, 1040], [512, 300, 17]),                # chunks after cached context
+], ids=["4k", "ragged", "chunked"])
+def test_gpu_prefill_attention(dtype, seq_lens, query_lens):
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, dtype, gen, dev="cuda")
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).cuda()
+    q = randn_view(sum(query_lens), H, D, dtype=dtype, gen=gen, dev="cuda")
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    actual = kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, D ** -0.5,
+                                       backend="triton")
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, D ** -0.5)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+@gpu
+def test_gpu_fp32_attention():
+    """fp32 takes other tile sizes on a GPU (and FMA dots, not tensor cores)."""
+    gen = torch.Generator().manual_seed(15)
+    seq_lens, query_lens = [1, 15, 16, 17, 300, 1000], [1, 15, 16, 5, 300, 64]
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, torch.float32, gen, dev="cuda")
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = randn_view(sum(query_lens), H, D, dtype=torch.float32, gen=gen, dev="cuda")
+    torch.testing.assert_close(
+        kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, D ** -0.5, backend="triton"),
+        reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, D ** -0.5), **FP32_TOL)
+    q = randn_view(len(seq_lens), H, D, dtype=torch.float32, gen=gen, dev="cuda")
+    expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), block_tables, lens,
+                                          D ** -0.5)
+    for num_splits in (1, 4):
+        actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, lens, D ** -0.5, num_splits,
+                                          backend="triton")
+        torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 1000, 4096, 4100, 333], [32768], [9000, 20000]],
+                         ids=["ragged", "32k", "two-long"])
+@pytest.mark.parametrize("num_splits", [1, 7, None])
+def test_gpu_decode_attention(dtype, seq_lens, num_splits):
+    gen = torch.Generator().manual_seed(14)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, dtype, gen, dev="cuda")
+    q = randn_view(len(seq_lens), H, D, dtype=dtype, gen=gen, dev="cuda")
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, D ** -0.5, num_splits,
+                                      backend="triton")
+    expected = reference.decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                                          block_tables, seq_lens, D ** -0.5)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
