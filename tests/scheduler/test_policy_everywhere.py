@@ -21,6 +21,8 @@ from llmlab.experiments import CostModel, Workload, run, simulate
 from llmlab.experiments.workload import WorkloadRequest
 from llmlab.policies import SchedulingPolicy
 
+pytestmark = pytest.mark.slow     # real servers or engines under a workload: left out by make test-fast
+
 
 # ---- the example (ARCHITECTURE.md, "Scheduling"): a per-step prefill budget and deferred admissions ----
 class Paced(SchedulingPolicy):

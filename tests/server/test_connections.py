@@ -23,6 +23,8 @@ from llmlab.server.connections import ConnectionLimits
 from llmlab.server.serve import add_arguments, server_config
 from helpers.server import free_port, tiny_engine
 
+pytestmark = pytest.mark.slow     # real servers or engines under a workload: left out by make test-fast
+
 LIMITS = ConnectionLimits(timeout_read=0.5, timeout_keep_alive=0.5, max_connections=3)
 WAIT = 10    # seconds: a socket's own timeout; the server must close well before
 

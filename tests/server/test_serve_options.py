@@ -12,6 +12,8 @@ import pytest
 
 import llmlab
 
+pytestmark = pytest.mark.slow     # real servers or engines under a workload: left out by make test-fast
+
 FAST = 20   # seconds: an interpreter start and llmlab's imports; a model load would add ~15 more
 
 

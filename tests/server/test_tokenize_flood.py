@@ -16,6 +16,8 @@ import pytest
 from llmlab.model.loader import resolve_model
 from llmlab.model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow     # real servers or engines under a workload: left out by make test-fast
+
 CLIENTS = 4
 RATIO = 4     # today (one tokenizer thread, every prompt tokenized whole) it is 10-40
 SAMPLES = 7
