@@ -13,7 +13,7 @@ import torch
 from llmlab.model.llama import ForwardBatch
 from llmlab.request import Request
 from llmlab.sampling import SamplingParams
-from llmlab.scheduler import Plan, ScheduledItem
+from llmlab.plan import Plan, ScheduledItem
 
 def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int = 1,
             backend: str | None = None, buffers=None, previous=None):

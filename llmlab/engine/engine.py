@@ -31,9 +31,11 @@ from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import Tokenizer, tokenize_prompt
+from llmlab.plan import Plan
+from llmlab.policies import fcfs
 from llmlab.request import ContextLengthError, Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
-from llmlab.scheduler import Plan, Scheduler, fcfs
+from llmlab.scheduler import Scheduler
 
 
 class LLMEngine:

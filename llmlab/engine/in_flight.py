@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlab.request import Request
-from llmlab.scheduler import Plan
+from llmlab.plan import Plan
 
 
 @dataclass(eq=False)

@@ -27,7 +27,7 @@ from llmlab.engine.input_buffers import InputBuffers
 from llmlab import kernels
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.tokenizer import Tokenizer
-from llmlab.scheduler import Plan
+from llmlab.plan import Plan
 
 
 def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):

@@ -36,7 +36,7 @@ import torch
 from llmlab.config import EngineConfig
 from llmlab.engine.batch import dummy_plan, num_blocks_of
 from llmlab.model.llama import LOGITS_DTYPE
-from llmlab.scheduler import Plan
+from llmlab.plan import Plan
 
 
 def warm_up(runner, sampler, config: EngineConfig) -> None:
