@@ -96,3 +96,17 @@ def test_only_the_contract_is_a_door_to_the_kernels():
              for name, targets in graph.items()
              if not name.startswith(("llmlab.kernels", "llmlab.bench"))}
     assert {name: targets for name, targets in doors.items() if targets} == {}
+
+
+def test_engine_config_holds_no_command_line():
+    """argparse lives in cli_flags.py; config.py is the EngineConfig dataclass and its checks."""
+    assert "llmlab.cli_flags" not in import_graph()["llmlab.config"]
+    assert "argparse" not in (PACKAGE / "config.py").read_text()
+
+
+def test_the_one_device_engine_does_not_import_the_ranks():
+    """engine/ is the one-device loop; engine/parallel/ the multi-process ranks, which the
+    runner imports only where it starts them (inside a function)."""
+    tree = ast.parse((PACKAGE / "engine" / "model_runner.py").read_text())
+    top_level = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert not any(module.startswith("llmlab.engine.parallel") for module in top_level)
