@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -73,3 +75,32 @@ def metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@contextlib.contextmanager
+def serve_process(flags: list[str], log, env=None, timeout: float = 180):
+    """`llmlab serve --port <free> *flags` in a process of its own, its output to `log` (an
+    open file); yields its URL once /health answers, and stops it at the end."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), *flags],
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert process.poll() is None, "the server exited early (see its log)"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -239,44 +236,24 @@ def test_now_is_one_clock_in_run_and_simulate(llm):
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def policy_server(tmp_path):
     """`llmlab serve --policy <this file>:EveryHook` in its own process, with the cache and
     slots of the run() test; yields its URL and the policy's log file."""
-    port, log_path = free_port(), tmp_path / "policy.jsonl"
-    output = open(tmp_path / "server.log", "w+")
+    from helpers.server import serve_process   # here: the server process loads this file for its policy
+
+    log_path = tmp_path / "policy.jsonl"
     env = {**os.environ, "LLMLAB_API_KEY": "k", "LLMLAB_POLICY_LOG": str(log_path)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), "--policy", f"{__file__}:EveryHook",
-         "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", "10", "--max-num-seqs", "2",
-         "--preemption-mode", "recompute", "--no-enable-prefix-caching", "--log-level", "warning"],
-        stdout=output, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, "the server exited early"
+    flags = ["--policy", f"{__file__}:EveryHook", "--device", "cpu", "--dtype", "float32", "--block-size", "4",
+             "--num-gpu-blocks", "10", "--max-num-seqs", "2", "--preemption-mode", "recompute",
+             "--no-enable-prefix-caching", "--log-level", "warning"]
+    with open(tmp_path / "server.log", "w+") as output:
         try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
-    yield url, log_path
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    output.seek(0)
-    print(output.read())    # shown when the test fails
+            with serve_process(flags, output, env) as url:
+                yield url, log_path
+        finally:
+            output.seek(0)
+            print(output.read())    # shown when the test fails
 
 
 def test_a_policy_with_every_hook_is_served_by_module_colon_name(policy_server):
