@@ -1,48 +1,29 @@
 """Iteration-level scheduling (Orca) with chunked prefill piggybacked on decodes (SARATHI).
 
-Every engine step asks `Scheduler.schedule()` for a Plan: which requests run this step and
-how many tokens each, which are preempted, swapped out or swapped back in, and which new
-KV blocks were allocated. The engine applies the plan; the scheduler never touches tensors.
-
-The phases, in order of priority, under a budget of `max_num_batched_tokens` tokens:
-  1. every running request that is decoding gets its one token; when blocks run out the
-     policy's victim (by default the lowest-priority running request) is preempted (swap
-     or recompute);
-  2. running requests still prefilling get the next chunk of their prompt (preempting as
-     in 1 when not one more token fits), within the policy's prefill budget (by default
-     what the decodes left: SARATHI §4, chunk = token budget - decodes);
+Every engine step asks `Scheduler.schedule()` for a Plan (plan.py): which requests run this
+step and how many tokens each, which are preempted, swapped out or back in, and which KV
+blocks were allocated. The engine applies it; the scheduler never touches tensors. Phases,
+in order, under a budget of `max_num_batched_tokens` tokens (one method each below):
+  1. every decoding request gets its one token; when blocks run out the policy's victim is
+     preempted (swap or recompute: preemption.py);
+  2. running requests still prefilling get their next prompt chunk, within the policy's
+     prefill budget (by default what the decodes left: SARATHI §4);
   3. swapped-out requests come back when their blocks fit;
-  4. waiting requests the policy admits are admitted, highest priority first, with a
-     prompt chunk of at most the remaining budget.
-Steps 3-4 are skipped in a step that had to preempt, so a victim is not immediately
-replaced by a newcomer: preempted requests are older and get back in first (no starvation).
-Each step is one method below (`_schedule_decodes` ... `_schedule_waiting`).
+  4. waiting requests the policy admits are admitted, highest priority first.
+A step that had to preempt skips 3-4, so a victim is not replaced by a newcomer at once:
+preempted requests are older and get back in first (no starvation).
 
-After the step's forward and sampling, `Scheduler.update(plan, sampled)` does the
-bookkeeping: every scheduled request's computed tokens advance and its newly full blocks
-are hashed for the prefix cache; each request that sampled gets its token, and those done
-(EOS, a stop token, max_tokens, the context length) are finished and their blocks freed.
-Stop *strings* need text: the output processor (engine/output.py) checks them after
-detokenizing, as vLLM's does.
-With async scheduling the tokens are still on the device when the next step is planned:
-`update(plan, None)` gives each sampling request a placeholder (`request.token_pending`),
-so it decodes next step with the token fed on the device, and `resolve` fills the tokens in
-a step later. A request whose pending token surely ends it (max_tokens, the context) is not
-scheduled again; one that a pending EOS or stop ends has decoded one token too many, which
-`resolve` drops (its blocks are freed then).
+After the step, `update(plan, sampled)` is the bookkeeping: tokens computed, full blocks
+hashed, tokens appended, and requests done by a token (EOS, a stop id, max_tokens, the
+context) finished; stop *strings* are the output processor's (engine/output.py).
 
-Every choice left open is the policy's (a SchedulingPolicy, llmlab/policies.py; FCFS by
-default): the order of the queues (`key`), whether a waiting request is admitted (`admit`),
-the step's prompt-token budget (`prefill_budget`), who is preempted (`preempt_victim`,
-`preempts_on_arrival`), and it sees each step's outcome (`on_step`). Each is given `now`,
-seconds on the experiment's clock: `schedule(now)` and `update(..., now)` take it (the
-simulator passes its simulated time); without it, `now()` reads the wall clock from
-`clock_origin`, which `experiments.run` sets to the workload's t = 0.
+Every choice left open is the policy's (policies.py), given `now` on the experiment's clock.
 """
 from __future__ import annotations
 
 import time
 
+from llmlab import preemption
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
@@ -111,8 +92,6 @@ class Scheduler:
         (token ids in that order: a list, or a tensor, read here), `resolve` fills them in
         (and the policy's on_step sees the outcome at `now`, default `now()`).
         Requests that finished while the step was in flight are skipped: their work is dropped."""
-        if sampled is not None and len(sampled) != len(plan.sampling_items):
-            raise ValueError(f"{len(sampled)} sampled tokens for the plan's {len(plan.sampling_items)} sampling items")
         for item in plan.items:
             request = item.request
             if request.finished:
@@ -169,7 +148,7 @@ class Scheduler:
         step is given `now` (default: `now()`, the wall clock)."""
         now = self.now() if now is None else now
         plan = Plan()
-        self.running.sort(key=self._key(now))
+        self.running.sort(key=self.policy_key(now))
         budget = self._schedule_decodes(plan, self.token_budget, now)
         budget = self._prefill_budget(plan, budget, now)
         budget = self._schedule_running_prefills(plan, budget, now)
@@ -179,7 +158,7 @@ class Scheduler:
         self._schedule_waiting(plan, budget, now)
         return plan
 
-    def _key(self, now: float):
+    def policy_key(self, now: float):
         """The policy's order at `now`, as a sort key."""
         key = self.policy.key
         return lambda request: key(request, now)
@@ -205,7 +184,7 @@ class Scheduler:
                 continue    # its token in flight is its last: resolve() finishes it
             if budget < 1:
                 break
-            if not self._make_room(request, request.num_tokens, plan, now):
+            if not preemption.make_room(self, request, request.num_tokens, plan, now):
                 continue    # the request itself was preempted
             self._allocate(request, request.num_tokens, plan)
             plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
@@ -220,23 +199,19 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or not request.is_prefilling or budget <= 0:
                 continue
-            if self._make_room(request, request.num_computed_tokens + 1, plan, now):
+            if preemption.make_room(self, request, request.num_computed_tokens + 1, plan, now):
                 budget -= self._schedule_prefill(request, budget, plan)
         return budget
 
     def _schedule_swapped(self, plan: Plan, budget: int, now: float) -> int:
         """3. Swapped-out requests come back when their blocks fit (they were running:
         they decode or prefill right away)."""
-        self.swapped.sort(key=self._key(now))
+        self.swapped.sort(key=self.policy_key(now))
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             if len(self.blocks.host_tables[request.request_id]) + 1 > self.blocks.num_free_blocks:
                 break
-            self.swapped.pop(0)
-            plan.swap_in_copies += self.blocks.swap_in(request)
-            plan.swapped_in.append(request.request_id)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            preemption.swap_in(self, request, plan)
             if request.is_prefilling:
                 budget -= self._schedule_prefill(request, budget, plan)
             else:
@@ -253,8 +228,8 @@ class Scheduler:
         request is still computing waits a step: admitted together, both would compute the
         shared prefix (SGLang's cache-aware admission); a step later it finds the prefix in
         the cache."""
-        self.waiting.sort(key=self._key(now))
-        in_flight = self._prefixes_in_flight()
+        self.waiting.sort(key=self.policy_key(now))
+        in_flight = self.blocks.prefixes_in_flight(self.running)
         i = 0
         while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
@@ -262,13 +237,13 @@ class Scheduler:
                 i += 1
                 continue
             if len(self.running) >= self.config.max_num_seqs:
-                given_back = self._preempt_for(request, plan, now)
+                given_back = preemption.preempt_for(self, request, plan, now)
                 if given_back is None:
                     break
                 budget += given_back
                 continue
             if not request.block_table:
-                if in_flight and self._waits_for_prefix(request, in_flight):
+                if in_flight and self.blocks.waits_for_prefix(request, in_flight):
                     i += 1
                     continue
                 cached = self.blocks.match_prefix(request)
@@ -282,7 +257,7 @@ class Scheduler:
                 self.blocks.free(request)    # give back any shared prefix blocks
                 request.num_computed_tokens = 0
                 plan.prefix_hit_tokens.pop(request.request_id, None)
-                given_back = self._preempt_for(request, plan, now)
+                given_back = preemption.preempt_for(self, request, plan, now)
                 if given_back is None:
                     break
                 budget += given_back
@@ -292,45 +267,10 @@ class Scheduler:
             self.running.append(request)
             budget -= used
             if in_flight is not None and request.num_computed_tokens < self.blocks.block_size:
-                first = self._first_block(request)
+                first = self.blocks.first_block_hash(request)
                 if first is not None:
                     in_flight.add(first)
         return budget
-
-    def _preempt_for(self, request: Request, plan: Plan, now: float) -> int | None:
-        """If the policy lets `request` preempt on arrival: preempt its victim, provided
-        `request` outranks it (a smaller key: otherwise two requests could take turns
-        preempting each other forever); returns the tokens the victim's items gave back to
-        the budget (None: nobody was preempted)."""
-        if not self.running or not self.policy.preempts_on_arrival(request, now):
-            return None
-        key = self._key(now)
-        victim = self._victim(sorted(self.running, key=key), now)   # admitted this step: not sorted
-        if not key(request) < key(victim):
-            return None
-        given_back = sum(item.num_tokens for item in plan.items if item.request is victim)
-        self._preempt(victim, plan)
-        return given_back
-
-    def _first_block(self, request: Request):
-        """The hash of the request's first full prompt block (None if it has none)."""
-        if request.num_tokens <= self.blocks.block_size:
-            return None
-        return self.blocks.block_hashes(request, 1)[0]
-
-    def _waits_for_prefix(self, request: Request, in_flight: set) -> bool:
-        """Whether a running request is computing `request`'s first block now, which the cache
-        does not hold yet (so a lookup would find nothing). Checked before the lookup: a step
-        spent waiting is no lookup, and the hit rate counts each request's lookup once."""
-        first = self._first_block(request)
-        return first in in_flight and first not in self.blocks.cached_blocks
-
-    def _prefixes_in_flight(self) -> set | None:
-        """First-block hashes that running requests are computing now (prefix caching only)."""
-        if not self.blocks.enable_prefix_caching:
-            return None
-        return {self._first_block(r) for r in self.running
-                if r.num_computed_tokens < self.blocks.block_size and self._first_block(r) is not None}
 
     def _schedule_prefill(self, request: Request, budget: int, plan: Plan) -> int:
         """Schedule the next prompt chunk of `request`; returns the tokens used (0 = none fit)."""
@@ -358,39 +298,3 @@ class Scheduler:
         new = self.blocks.allocate(request, num_tokens)
         if new:
             plan.allocated_blocks.setdefault(request.request_id, []).extend(new)
-
-    def _make_room(self, request: Request, num_tokens: int, plan: Plan, now: float) -> bool:
-        """Preempt the policy's victims (by default the lowest-priority running requests)
-        until `request` can hold `num_tokens`. Returns False when `request` itself had to be
-        preempted."""
-        while self.blocks.blocks_needed(request, num_tokens) > self.blocks.num_free_blocks:
-            victim = self._victim(self.running, now)   # sorted at the step's start, victims removed
-            self._preempt(victim, plan)
-            if victim is request:
-                return False
-        return True
-
-    def _victim(self, running: list[Request], now: float) -> Request:
-        """The policy's choice among `running` (ordered by key, most important first)."""
-        victim = self.policy.preempt_victim(running, now)
-        if not any(victim is r for r in running):
-            raise ValueError(f"policy {self.policy.name!r}: preempt_victim returned {victim!r}, "
-                             f"which is not one of the running requests")
-        return victim
-
-    def _preempt(self, request: Request, plan: Plan) -> None:
-        self.running.remove(request)
-        for items in (plan.prefills, plan.decodes):   # a victim may already be in this plan
-            items[:] = [item for item in items if item.request is not request]
-        request.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(request):
-            plan.swap_out_copies += self.blocks.swap_out(request)
-            plan.swapped_out.append(request.request_id)
-            request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
-        else:   # recompute: drop the KV, redo the prompt and the output so far later
-            self.blocks.free(request)
-            request.num_computed_tokens = 0
-            plan.preempted.append(request.request_id)
-            request.status = RequestStatus.WAITING
-            self.waiting.append(request)

@@ -145,6 +145,28 @@ class BlockManager:
         self.evictable.clear()
         self.prefix_queries = self.prefix_hits = 0
 
+    def first_block_hash(self, request: Request) -> int | None:
+        """The hash of the request's first full prompt block (None if it has none)."""
+        if request.num_tokens <= self.block_size:
+            return None
+        return self.block_hashes(request, 1)[0]
+
+    def prefixes_in_flight(self, running: list[Request]) -> set | None:
+        """First-block hashes that `running` requests are computing now (None without prefix
+        caching): the scheduler holds back a request whose first block is among them, since
+        admitted together both would compute the shared prefix (SGLang's cache-aware admission)."""
+        if not self.enable_prefix_caching:
+            return None
+        return {self.first_block_hash(r) for r in running
+                if r.num_computed_tokens < self.block_size and self.first_block_hash(r) is not None}
+
+    def waits_for_prefix(self, request: Request, in_flight: set) -> bool:
+        """Whether a running request is computing `request`'s first block now, which the cache
+        does not hold yet (so a lookup would find nothing). Asked before the lookup: a step
+        spent waiting is no lookup, and the hit rate counts each request's lookup once."""
+        first = self.first_block_hash(request)
+        return first in in_flight and first not in self.cached_blocks
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

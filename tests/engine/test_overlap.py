@@ -69,8 +69,14 @@ def run_with_aborts(engine, prompts, params, aborts: dict[int, int]):
 
 
 def count_preemptions(engine) -> list[str]:
-    preempted, preempt = [], engine.scheduler._preempt
-    engine.scheduler._preempt = lambda request, plan: (preempted.append(request.request_id), preempt(request, plan))
+    """The ids of the requests each plan preempts (by recompute or swap), as the engine runs."""
+    preempted, schedule = [], engine.scheduler.schedule
+
+    def watched(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        preempted.extend(plan.preempted + plan.swapped_out)
+        return plan
+    engine.scheduler.schedule = watched
     return preempted
 
 

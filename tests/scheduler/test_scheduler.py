@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 
+from llmlab import preemption
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
 from llmlab.request import Request, RequestStatus
@@ -107,7 +108,7 @@ def test_a_readmitted_request_keeps_its_first_cached_token_count():
         plan = scheduler.schedule()
         scheduler.update(plan, [9] * len(plan.sampling_items))
     assert request.num_cached_prompt_tokens == 0 and request.num_tokens == 70
-    scheduler._preempt(request, scheduler.schedule())
+    preemption.preempt(scheduler, request, scheduler.schedule())
     plan = scheduler.schedule()
     assert plan.prefix_hit_tokens["r"] == 64              # its own 4 full blocks, output included
     assert request.num_cached_prompt_tokens == 0
