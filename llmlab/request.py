@@ -23,6 +23,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class TokenLogprob:
+    """A token's log-probability at its position, and the k most likely tokens there
+    (`SamplingParams.logprobs` / `prompt_logprobs` = k), most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]     # (token id, logprob)
+
+
 @dataclass(eq=False)   # a request is itself: compare by identity, not field by field
 class Request:
     request_id: str
@@ -47,6 +56,14 @@ class Request:
     # async scheduling: the newest output token is still on the device (a placeholder in
     # output_token_ids until the host reads it, one step later; see engine/in_flight.py)
     token_pending: bool = False
+    output_logprobs: list[TokenLogprob] | None = None   # one per output token, if params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # one per prompt token (None for the first)
+
+    def __post_init__(self):
+        if getattr(self.params, "logprobs", None) is not None:
+            self.output_logprobs = []
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -93,7 +110,8 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
     length) materialized only when read, so a long stream does not pay O(length) per step.
     """
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "delta_text", "delta_token_ids",
-                 "finished", "finish_reason", "num_cached_prompt_tokens",
+                 "finished", "finish_reason", "num_cached_prompt_tokens", "prompt_logprobs", "delta_logprobs",
+                 "_logprobs",
                  "_all_token_ids", "_num_tokens", "_output_text", "_num_pieces", "_text")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -107,6 +125,7 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
         self._output_text, self._num_pieces, self._text = None, 0, text
         self.delta_text = text if delta_text is None else delta_text
         self.delta_token_ids = list(self._all_token_ids) if delta_token_ids is None else delta_token_ids
+        self.prompt_logprobs = self._logprobs = self.delta_logprobs = None
 
     @classmethod
     def of(cls, request: "Request") -> "RequestOutput":
@@ -124,7 +143,16 @@ class RequestOutput:   # a plain class with __slots__: it is built for every req
         out._output_text, out._num_pieces = output_text, len(output_text.pieces) if output_text else 0
         out._text = None if output_text else ""
         out.delta_text, out.delta_token_ids = delta_text, delta_token_ids
+        out.prompt_logprobs, out._logprobs = request.prompt_logprobs, request.output_logprobs
+        out.delta_logprobs = None if out._logprobs is None else out._logprobs[start:]
         return out
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One TokenLogprob per token of `token_ids` (None unless SamplingParams.logprobs was set);
+        `delta_logprobs`: those of `delta_token_ids`. `prompt_logprobs`: one per prompt token,
+        None for the first (nothing predicts it), if SamplingParams.prompt_logprobs was set."""
+        return None if self._logprobs is None else self._logprobs[:self._num_tokens]
 
     @property
     def token_ids(self) -> list[int]:

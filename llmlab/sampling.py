@@ -1,6 +1,7 @@
 """SamplingParams (what a request asks for) and the Sampler (logits -> next tokens)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)        # never shown in the output text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # log-probabilities: of each sampled token and the `logprobs` most likely tokens at its step
+    # (0: the sampled token's only), under the distribution it was drawn from (`token_logprobs`)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None   # of each prompt token (the model's own scores) and the k most likely
+    n: int = 1     # completions of the prompt: n requests (`fan_out`) that share its cached blocks
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -45,10 +51,25 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "a list of non-negative integers"),
+            ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
+            ("logprobs", self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}")
+
+    def fan_out(self) -> list["SamplingParams"]:
+        """The n requests of `n` completions: copies with n = 1 and, for a seeded request,
+        seeds seed, seed + 1, ... (so completion i equals a request with seed + i alone).
+        Submitted together, they share the prompt's full KV blocks through the prefix cache
+        (the first computes them, the others find them: scheduler.py's cache-aware admission)."""
+        seeds = [None] * self.n if self.seed is None else [(self.seed + i + 2**63) % 2**64 - 2**63
+                                                          for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +78,8 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20    # alternatives per token, as OpenAI's top_logprobs allows
+MAX_N = 128          # completions per prompt
 
 
 def _top_k(k: int, vocab: int) -> int:
@@ -126,6 +149,33 @@ class Sampler:
                 self(logits, params, list(range(rows)), [0] * rows).tolist()
 
     @staticmethod
+    def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The logits the sampler draws from, float32 [S, V]: scaled by 1/temperature and cut
+        by top-k, top-p and min-p (-inf where cut). A greedy row keeps its raw logits (its
+        one-hot distribution has no use as scores: vLLM's logprobs of a greedy request are
+        the model's own too)."""
+        x = logits.float()
+        if all(p.greedy or (p.temperature == 1 and p.top_k == -1 and p.top_p == 1 and p.min_p == 0) for p in params):
+            return x   # nothing to scale or cut: skip the vocabulary-wide filter
+        device = logits.device
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        top_k = torch.tensor([-1 if p.greedy else _top_k(p.top_k, x.shape[-1]) for p in params], device=device)
+        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
+        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device)
+        return kernels.filter_logits(x * (1.0 / temperature)[:, None], top_k, top_p, min_p)
+
+    def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], sampled: torch.Tensor):
+        """The sampled tokens' log-probabilities for the rows whose params ask for them
+        (`SamplingParams.logprobs`), under the processed logits they were drawn from, with
+        the k most likely tokens: a TokenLogprobs on the device, or None when no row asks."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return None
+        picked = rows if len(rows) < len(params) else slice(None)
+        x = self.processed_logits(logits[picked], [params[i] for i in rows])
+        return token_logprobs(x, sampled[picked], rows, [params[i].logprobs for i in rows])
+
+    @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The exact distribution the sampler draws from: softmax of temperature-scaled logits
         after top-k, top-p and min-p. [S, V] -> [S, V] (greedy rows: all mass on the argmax)."""
@@ -138,3 +188,32 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
         return torch.where(greedy[:, None], one_hot, probs)
+
+
+class TokenLogprobs:
+    """Log-probabilities of some tokens (one per row), and the k most likely tokens of each
+    row, computed on the device from a batch of logits: only [R] and [R, k] numbers cross
+    to the host, never a vocabulary-sized row. `entries()` reads them as TokenLogprobs."""
+
+    def __init__(self, rows: list, chosen_ids: torch.Tensor, chosen: torch.Tensor, top_ids: torch.Tensor,
+                 top: torch.Tensor, ks: list[int]):
+        self.rows, self.ks = rows, ks      # what each row belongs to (a row index, a position), its k
+        self.tensors = [chosen_ids, chosen, top_ids, top]   # [R] int64, [R], [R, k] int64, [R, k]
+
+    def entries(self, tensors=None) -> list:
+        """One `request.TokenLogprob` per row (from `tensors`: host copies of self.tensors)."""
+        from llmlab.request import TokenLogprob
+
+        chosen_ids, chosen, top_ids, top = (t.tolist() for t in (tensors or self.tensors))
+        return [TokenLogprob(t, lp, list(zip(ids[:k], lps[:k])))
+                for t, lp, ids, lps, k in zip(chosen_ids, chosen, top_ids, top, self.ks)]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list, ks: list[int]) -> TokenLogprobs:
+    """logits [R, V] (float), token_ids [R] -> the tokens' log-probabilities under
+    log_softmax(logits) and each row's `ks[i]` most likely tokens, most likely first."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    top, top_ids = logprobs.topk(max(ks, default=0), dim=-1)
+    return TokenLogprobs(rows, token_ids, chosen, top_ids, top, ks)

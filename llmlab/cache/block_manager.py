@@ -98,8 +98,10 @@ class BlockManager:
     def match_prefix(self, request: Request) -> int:
         """Share the cached blocks of the request's prompt prefix; returns the number of
         tokens found. At least one prompt token is always left to compute (its logits
-        give the first output token), so a fully cached prompt reuses all but its last block."""
-        if not self.enable_prefix_caching or request.block_table:
+        give the first output token), so a fully cached prompt reuses all but its last block.
+        A request that asks for its prompt's logprobs finds nothing: it needs every prompt
+        token's logits, so it computes them all (as vLLM does)."""
+        if not self.enable_prefix_caching or request.block_table or request.prompt_logprobs is not None:
             return 0
         usable = (request.num_tokens - 1) // self.block_size
         matched = []

@@ -23,6 +23,7 @@ import torch
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
+from llmlab.engine import batch as batches
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor
@@ -92,6 +93,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first "
+                             "(SamplingParams.fan_out, as LLM.generate and the server do)")
         token_ids, text = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -195,7 +199,7 @@ class LLMEngine:
         """Prepare, forward and sample the plan; the tokens stay on the device. Requests whose
         newest token is still in flight take it from the step in flight's tensor."""
         requests = [item.request for item in plan.sampling_items]
-        sampled, kernel_timings = torch.empty(0, dtype=torch.int64), {}
+        sampled, kernel_timings, logprobs, prompt_logprobs = torch.empty(0, dtype=torch.int64), {}, None, None
         if not plan.is_empty:
             previous = self._in_flight.previous if self._in_flight is not None else None
             input_ids, positions, batch = self.runner.prepare_step(plan, previous)
@@ -206,11 +210,15 @@ class LLMEngine:
             else:
                 logits = self.runner.forward(input_ids, positions, batch)
             timings["forward"], clock = self._lap(clock)
+            params, all_logits, logits = [r.params for r in requests], logits, logits[:len(requests)]
             if requests:   # a step of mid-prompt chunks only samples nothing
-                sampled = self.sampler(logits, [r.params for r in requests], [r.sampling_seed for r in requests],
+                sampled = self.sampler(logits, params, [r.sampling_seed for r in requests],
                                        [len(r.output_token_ids) for r in requests])
+                logprobs = self.sampler.logprobs(logits, params, sampled)
+            prompt_logprobs = batches.prompt_logprobs(all_logits[len(requests):], plan)   # rows after the sampling ones
             timings["sample"], clock = self._lap(clock)
-        return InFlightStep(plan, requests, sampled, timings, kernel_timings, self.step_index, overlapped)
+        return InFlightStep(plan, requests, sampled, timings, kernel_timings, self.step_index, overlapped,
+                            logprobs, prompt_logprobs)
 
     def _take_in_flight(self) -> InFlightStep | None:
         step, self._in_flight = self._in_flight, None
@@ -222,6 +230,8 @@ class LLMEngine:
         outcome = self.scheduler.resolve(step.requests, step.tokens())
         self.num_dropped_tokens += outcome.num_dropped
         self._freed_blocks += outcome.freed_blocks
+        if step.logprobs is not None or step.prompt_logprobs is not None:
+            self.output.add_logprobs(step.requests, outcome.advanced, *step.logprob_entries())
         for request in self.output.add_tokens(outcome.advanced):   # a stop string ended it
             # also when the same token reached max_tokens: a stop string wins over "length"
             self._freed_blocks += self.scheduler.finish(request, "stop")

@@ -40,15 +40,29 @@ class InFlightStep:
     kernel_timings: dict = field(default_factory=dict)
     index: int = 0                # the engine's step counter when it was launched
     overlapped: bool = False      # launched before the step ahead of it was read
-    host: torch.Tensor | None = None          # pinned copy of `sampled` (CUDA), valid once `ready`
+    # log-probabilities asked for (sampling.TokenLogprobs, on the device): of the sampled tokens
+    # (rows: indices into `requests`) and of prompt tokens (rows: (request, prompt position))
+    logprobs: object = None
+    prompt_logprobs: object = None
+    host: list[torch.Tensor] | None = None    # pinned copies of the tensors above (CUDA), valid once `ready`
     ready: torch.cuda.Event | None = None
 
     def __post_init__(self):
-        if self.sampled.is_cuda:   # start the copy now: it runs when the step is done
-            self.host = torch.empty(self.sampled.shape, dtype=self.sampled.dtype, pin_memory=True)
-            self.host.copy_(self.sampled, non_blocking=True)
+        if self.sampled.is_cuda:   # start the copies now: they run when the step is done
+            self.host = [pinned_copy(t) for t in self._device_tensors()]
             self.ready = torch.cuda.Event()
             self.ready.record()
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        return [self.sampled] + [t for lp in (self.logprobs, self.prompt_logprobs) if lp is not None
+                                 for t in lp.tensors]
+
+    def _read(self) -> list[torch.Tensor]:
+        """The step's tensors on the host (waits for this step only)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            return self.host
+        return self._device_tensors()
 
     @property
     def previous(self) -> tuple[dict[Request, int], torch.Tensor]:
@@ -57,7 +71,22 @@ class InFlightStep:
 
     def tokens(self) -> list[int]:
         """The sampled token ids, in the order of `requests` (waits for this step only)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-            return self.host.tolist()
-        return self.sampled.tolist()
+        return self._read()[0].tolist()
+
+    def logprob_entries(self) -> tuple[list, list]:
+        """([(row, TokenLogprob)] of the sampled tokens, [((request, position), TokenLogprob)]
+        of the prompt tokens): what the output processor attaches to the requests."""
+        tensors, found = self._read()[1:], []
+        for lp in (self.logprobs, self.prompt_logprobs):
+            if lp is None:
+                found.append([])
+                continue
+            found.append(list(zip(lp.rows, lp.entries(tensors[:4]))))
+            tensors = tensors[4:]
+        return found[0], found[1]
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

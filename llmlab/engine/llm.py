@@ -34,7 +34,8 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list (texts, token-id lists or chat conversations: any
         prompt LLMEngine.add_request takes), batched by the engine.
-        Returns one finished RequestOutput per prompt, in order."""
+        Returns one finished RequestOutput per prompt, in order; a prompt whose params ask for
+        n > 1 completions gives n outputs in a row (SamplingParams.fan_out)."""
         if hasattr(prompts, "tolist"):   # a tensor or an array of token ids (one prompt, or a row per prompt)
             prompts = prompts.tolist()
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -47,6 +48,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # n completions of a prompt: n requests, next to each other in the results
+        prompts, params = zip(*[(prompt, one) for prompt, p in zip(prompts, params) for one in p.fan_out()]) \
+            if any(p.n > 1 for p in params) else (prompts, params)
         engine = self.engine
         ids = []
         try:

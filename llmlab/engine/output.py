@@ -115,6 +115,19 @@ class OutputProcessor:
                 stopped.append(request)
         return stopped
 
+    @staticmethod
+    def add_logprobs(requests: list[Request], advanced: list[Request], sampled: list, prompt: list) -> None:
+        """Attach a step's log-probabilities: `sampled` [(row of `requests`, TokenLogprob)] to
+        the requests that took their token this step (`advanced`: a request finished meanwhile
+        dropped its token, and drops its logprob too), `prompt` [((request, position),
+        TokenLogprob)] to the prompt positions they score (a recomputed prompt scores the same)."""
+        took = {id(request) for request in advanced}
+        for row, entry in sampled:
+            if id(requests[row]) in took:
+                requests[row].output_logprobs.append(entry)
+        for (request, position), entry in prompt:
+            request.prompt_logprobs[position] = entry
+
     def finish(self, request: Request) -> None:
         """The output side of a request that has finished (for any reason): its end time,
         the held-back text released. EOS and stop token ids end with "stop" too: only a
