@@ -54,6 +54,12 @@ class Plan:
     def is_empty(self) -> bool:
         return not self.items
 
+    @property
+    def changes_nothing(self) -> bool:
+        """No tokens, no swaps, no preemptions: the step leaves every request as it was."""
+        return not (self.items or self.swap_out_copies or self.swap_in_copies or self.preempted
+                    or self.swapped_out or self.swapped_in)
+
 
 @dataclass
 class StepOutcome:

@@ -9,7 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from llmlab.sampling import SamplingParams
+from llmlab.sampling import SamplingParams, TokenLogprob
 
 
 class ContextLengthError(ValueError):
@@ -21,15 +21,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"      # has KV blocks on the device; prefilling or decoding
     SWAPPED = "swapped"      # preempted by swap: its KV blocks live in host memory
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """A token's log-probability at its position, and the k most likely tokens there
-    (`SamplingParams.logprobs` / `prompt_logprobs` = k), most likely first."""
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]     # (token id, logprob)
 
 
 @dataclass(eq=False)   # a request is itself: compare by identity, not field by field

@@ -134,6 +134,13 @@ class Sampler:
                               torch.tensor(seeds, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                               backend=self.backend)
 
+    def sample_requests(self, logits: torch.Tensor, requests: list) -> tuple[torch.Tensor, "TokenLogprobs | None"]:
+        """One token per request (row i of logits is requests[i]'s: its params, seed and
+        output position), and the logprobs the requests ask for (`logprobs`)."""
+        params = [r.params for r in requests]
+        sampled = self(logits, params, [r.sampling_seed for r in requests], [len(r.output_token_ids) for r in requests])
+        return sampled, self.logprobs(logits, params, sampled)
+
     def warm_up(self, vocab_size: int, device, dtype, max_rows: int = 3) -> None:
         """Compile the sampling kernels now, not inside a request's step (called by the
         engine's warm-up, engine/warm_up.py): for every row count up to `max_rows` (the
@@ -190,6 +197,15 @@ class Sampler:
         return torch.where(greedy[:, None], one_hot, probs)
 
 
+@dataclass(slots=True)
+class TokenLogprob:
+    """A token's log-probability at its position, and the k most likely tokens there
+    (`SamplingParams.logprobs` / `prompt_logprobs` = k), most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]     # (token id, logprob)
+
+
 class TokenLogprobs:
     """Log-probabilities of some tokens (one per row), and the k most likely tokens of each
     row, computed on the device from a batch of logits: only [R] and [R, k] numbers cross
@@ -201,9 +217,7 @@ class TokenLogprobs:
         self.tensors = [chosen_ids, chosen, top_ids, top]   # [R] int64, [R], [R, k] int64, [R, k]
 
     def entries(self, tensors=None) -> list:
-        """One `request.TokenLogprob` per row (from `tensors`: host copies of self.tensors)."""
-        from llmlab.request import TokenLogprob
-
+        """One TokenLogprob per row (from `tensors`: host copies of self.tensors)."""
         chosen_ids, chosen, top_ids, top = (t.tolist() for t in (tensors or self.tensors))
         return [TokenLogprob(t, lp, list(zip(ids[:k], lps[:k])))
                 for t, lp, ids, lps, k in zip(chosen_ids, chosen, top_ids, top, self.ks)]

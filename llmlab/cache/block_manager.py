@@ -47,6 +47,12 @@ class BlockManager:
         have = len(request.block_table)
         return max(0, -(-num_tokens // self.block_size) - have)
 
+    def stats(self) -> dict:
+        """Free and total blocks on the device and the host, the block size, the prefix hit rate."""
+        return {"free_device_blocks": self.num_free_blocks, "total_device_blocks": self.num_device_blocks,
+                "free_host_blocks": self.num_free_host_blocks, "total_host_blocks": self.num_host_blocks,
+                "block_size": self.block_size, "prefix_hit_rate": self.prefix_hit_rate}
+
     # ---- allocation ------------------------------------------------------------------
     def allocate(self, request: Request, num_tokens: int) -> list[int]:
         """Grow the request's block table to hold `num_tokens` tokens; returns new block ids."""

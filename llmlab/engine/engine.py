@@ -1,21 +1,16 @@
 """LLMEngine: add requests, call `step()`, read outputs.
 
-The engine is the loop; each room does its own work:
-  Scheduler.schedule()   -> the Plan of this step (scheduler.py)
-  ModelRunner.swap       -> the plan's KV block copies (model_runner.py)
-  ModelRunner.prepare / forward -> logits of the rows that sample
-  Sampler                -> one token per such row, on the device (sampling.py)
-  Scheduler.update       -> computed tokens, full-block hashes, tokens appended, token-level
-                            stops (EOS, stop ids, max_tokens, context), finished blocks freed
-  OutputProcessor        -> first-token time, text, stop strings (the text-level stop),
-                            RequestOutputs (output.py)
-  the engine             -> hook events: a StepRecord (hooks.step_record), requests added and finished
-Start-up, after the runner is built: warm_up.warm_up, every compile and capture (GPU only).
-With async scheduling (EngineConfig.async_scheduling, in_flight.py) the step launched by one
-call is read by the next: the host plans and prepares step N+1 while the device runs step N.
+The engine is the loop; each room does its own work: `Scheduler.schedule()` plans the step
+(scheduler.py); the ModelRunner makes its KV block copies and runs the forward
+(model_runner.py); the Sampler draws one token per sampling row on the device (sampling.py);
+`Scheduler.update` does the bookkeeping and the token-level stops; the OutputProcessor makes
+text, stop strings and RequestOutputs (output.py); the engine emits hook events (hooks.py).
+Start-up compiles and captures are warm_up.py's. With async scheduling (in_flight.py) the
+host plans and prepares step N+1 while the device runs step N.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -31,10 +26,10 @@ from llmlab.engine.warm_up import warm_up
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
-from llmlab.model.tokenizer import Tokenizer, tokenize_prompt
+from llmlab.model.tokenizer import Tokenizer, check_prompt_ids, tokenize_prompt
 from llmlab.plan import Plan
 from llmlab.policies import fcfs
-from llmlab.request import ContextLengthError, Request, RequestOutput
+from llmlab.request import Request, RequestOutput
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.scheduler import Scheduler
 
@@ -60,9 +55,7 @@ class LLMEngine:
         self.tokenizer = runner.tokenizer
         self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = runner.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
         self.output = OutputProcessor(self.tokenizer, eos)
         self.sampler = Sampler(config.seed, self.backend)
@@ -81,30 +74,20 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
-        """(token ids, prompt text) of a prompt: a string, token ids or chat messages
-        (model/tokenizer.py's `tokenize_prompt`, with this engine's tokenizer). The one place
-        prompts become tokens: add_request, LLM.chat, the CLI and the server all come here."""
+        """(token ids, prompt text) of a string, token ids or chat messages (tokenize_prompt):
+        the one place prompts become tokens, for add_request, LLM.chat, the CLI and the server."""
         return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text, token ids or chat messages: see `tokenize`); returns its
-        request id."""
+        """Queue a prompt (text, token ids or chat messages: see `tokenize`); returns its id."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first "
-                             "(SamplingParams.fan_out, as LLM.generate and the server do)")
+        if params.n != 1:    # LLM.generate and the server fan n out (SamplingParams.fan_out)
+            raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first (SamplingParams.fan_out)")
         token_ids, text = self.tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ContextLengthError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len} (the prompt and at least one new token must fit)")
+        check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         if request_id is None:   # the next number no caller has taken
             while (request_id := str(next(self._ids))) in self.requests:
                 pass
@@ -132,16 +115,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def kv_stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "free_device_blocks": bm.num_free_blocks, "total_device_blocks": bm.num_device_blocks,
-            "free_host_blocks": bm.num_free_host_blocks, "total_host_blocks": bm.num_host_blocks,
-            "block_size": bm.block_size, "prefix_hit_rate": bm.prefix_hit_rate,
-            "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
-            "num_swapped": len(self.scheduler.swapped),
-            "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
-            "bytes_per_block": self.kv_cache.bytes_per_block,
-        }
+        """The block manager's counts (BlockManager.stats), the queues' lengths, the cache's format."""
+        s = self.scheduler
+        return {**self.block_manager.stats(), "num_waiting": len(s.waiting), "num_running": len(s.running),
+                "num_swapped": len(s.swapped), "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
+                "bytes_per_block": self.kv_cache.bytes_per_block}
 
     # ---- one iteration ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -154,7 +132,8 @@ class LLMEngine:
                        or self.model.taps is not None or self.runner.executor is not None)
         outputs = []
         if synchronous and self._in_flight is not None:   # e.g. a hook was just attached
-            outputs += self._complete(self._take_in_flight())
+            step, self._in_flight = self._in_flight, None
+            outputs += self._complete(step)
         timings = {}
         clock = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -162,7 +141,7 @@ class LLMEngine:
         self.runner.swap(plan.swap_out_copies, plan.swap_in_copies)
         timings["swap"], clock = time.perf_counter() - clock, time.perf_counter()
         launched = self._launch(plan, timings, clock, overlapped=not synchronous)
-        previous = self._take_in_flight()
+        previous, self._in_flight = self._in_flight, None
         if previous is not None:      # the device is busy with `launched` meanwhile
             outputs += self._complete(previous)
         self.scheduler.update(plan)   # computed tokens; placeholders for the tokens on the device
@@ -175,24 +154,20 @@ class LLMEngine:
         return outputs
 
     def _check_progress(self, plan: Plan, previous: InFlightStep | None, outputs: list) -> None:
-        """A step that planned nothing (no tokens, no swaps, no preemptions), with nothing in
-        flight and nothing finished, leaves the scheduler as it found it: every later step
-        would do the same and the engine would spin. Two in a row are a scheduler (or
-        policy) bug; say so rather than hang. The requests stay queued: the caller may
-        abort them (the server and LLM.generate do)."""
-        moved = (plan.items or plan.swap_out_copies or plan.swap_in_copies or plan.preempted or plan.swapped_out
-                 or plan.swapped_in or previous is not None or outputs or self._in_flight is not None)
-        if moved or not self.scheduler.has_unfinished():
+        """Two steps in a row that change nothing (an empty plan, nothing in flight or finished)
+        while requests are left mean every later step would do the same: a scheduler or policy
+        bug. Say so rather than spin; the requests stay queued (the caller may abort them)."""
+        if not plan.changes_nothing or previous or outputs or self._in_flight or not self.scheduler.has_unfinished():
             self._idle_steps = 0
             return
         self._idle_steps += 1
         if self._idle_steps >= 2:
             self._idle_steps = 0
-            s = self.scheduler
+            s, bm = self.scheduler, self.block_manager
             raise RuntimeError(
                 f"the scheduler planned nothing for {len(s.waiting)} waiting, {len(s.running)} running, "
-                f"{len(s.swapped)} swapped requests, twice in a row, with {self.block_manager.num_free_blocks} of "
-                f"{self.block_manager.num_device_blocks} KV blocks free: no step can make progress "
+                f"{len(s.swapped)} swapped requests, twice in a row, with {bm.num_free_blocks} of "
+                f"{bm.num_device_blocks} KV blocks free: no step can make progress "
                 f"(a scheduler or policy bug); abort the requests or fix the scheduler")
 
     def _launch(self, plan: Plan, timings: dict, clock: float, overlapped: bool) -> InFlightStep:
@@ -204,25 +179,16 @@ class LLMEngine:
             previous = self._in_flight.previous if self._in_flight is not None else None
             input_ids, positions, batch = self.runner.prepare_step(plan, previous)
             timings["prepare"], clock = self._lap(clock)
-            if self.kernel_timing:   # eager, so that every kernel call is seen
-                with kernels.time_kernels() as kernel_timings:
-                    logits = self.runner.forward(input_ids, positions, batch, eager=True)
-            else:
-                logits = self.runner.forward(input_ids, positions, batch)
+            # with kernel timing: eager, so that every kernel call is seen
+            with kernels.time_kernels() if self.kernel_timing else contextlib.nullcontext({}) as kernel_timings:
+                logits = self.runner.forward(input_ids, positions, batch, eager=self.kernel_timing)
             timings["forward"], clock = self._lap(clock)
-            params, all_logits, logits = [r.params for r in requests], logits, logits[:len(requests)]
             if requests:   # a step of mid-prompt chunks only samples nothing
-                sampled = self.sampler(logits, params, [r.sampling_seed for r in requests],
-                                       [len(r.output_token_ids) for r in requests])
-                logprobs = self.sampler.logprobs(logits, params, sampled)
-            prompt_logprobs = batches.prompt_logprobs(all_logits[len(requests):], plan)   # rows after the sampling ones
+                sampled, logprobs = self.sampler.sample_requests(logits[:len(requests)], requests)
+            prompt_logprobs = batches.prompt_logprobs(logits[len(requests):], plan)   # rows after the sampling ones
             timings["sample"], clock = self._lap(clock)
         return InFlightStep(plan, requests, sampled, timings, kernel_timings, self.step_index, overlapped,
                             logprobs, prompt_logprobs)
-
-    def _take_in_flight(self) -> InFlightStep | None:
-        step, self._in_flight = self._in_flight, None
-        return step
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's tokens and finish its bookkeeping: scheduler.resolve (tokens,
@@ -255,8 +221,7 @@ class LLMEngine:
         return now - clock, now
 
     def _finished(self, request: Request) -> None:
-        """The engine's side of a request the scheduler has finished: its output side (end
-        time, held-back text), forgotten, events."""
+        """A request the scheduler finished: its output side (end time, held-back text), forgotten, events."""
         self.output.finish(request)
         self.requests.pop(request.request_id, None)
         if self.hooks.active:

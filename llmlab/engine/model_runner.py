@@ -108,6 +108,14 @@ class ModelRunner:
         self.buffers = InputBuffers(self.device, self.max_blocks_per_seq)   # every step's inputs
         self.graphs = None   # decode-step CUDA graphs, once the warm-up made them (make_decode_graphs)
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The model's end-of-sequence ids, and its tokenizer's if that names another."""
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
     # ---- start-up ----------------------------------------------------------------------
     def profile_activation_bytes(self) -> int:
         """Peak extra memory of a worst-case forward (full token budget), measured on CUDA."""

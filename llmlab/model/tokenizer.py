@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import numbers
 
+from llmlab.request import ContextLengthError
+
 
 class Tokenizer:
     def __init__(self, path: str):
@@ -125,3 +127,15 @@ class IncrementalDetokenizer:
             return ""   # no complete character yet
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return new_text[len(prefix_text):]
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt's token ids are usable: not empty, in the vocabulary, and leaving room in
+    the context for at least one new token (ContextLengthError otherwise)."""
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    if any(t < 0 or t >= vocab_size for t in token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ContextLengthError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                                 f"{max_model_len} (the prompt and at least one new token must fit)")
