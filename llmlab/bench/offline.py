@@ -39,8 +39,11 @@ def add_arguments(parser) -> None:
     sampling.add_argument("--top-k", type=int, default=-1)
     sampling.add_argument("--min-p", type=float, default=0.0)
     sampling.add_argument("--seed", type=int, default=None, help="SamplingParams.seed of every request (default: none)")
+    sampling.add_argument("--logprobs", type=int, default=None,
+                          help="SamplingParams.logprobs of every request: each token's logprob and the k most likely")
     sampling.add_argument("--compare", nargs="+", default=[], metavar="SETTING",
-                          help='more settings, e.g. greedy "temperature=0.7,top_p=0.9" "temperature=0.7,top_p=0.9,seed=1"')
+                          help='more settings, e.g. greedy "temperature=0.7,top_p=0.9" "temperature=0.7,top_p=0.9,seed=1" '
+                               '"temperature=0,logprobs=5"')
     parser.add_argument("--compare-prefix-caching", action="store_true",
                         help="run every setting with prefix caching off, then on")
     parser.add_argument("--compare-async-scheduling", action="store_true",
@@ -57,21 +60,21 @@ def add_arguments(parser) -> None:
                          exclude=("model", "seed"))
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
 
 
 def sampling_settings(args) -> list[dict]:
     """The command line's setting, then each --compare one ("greedy" or key=value,...)."""
     settings = [{k: getattr(args, k) for k in SAMPLING_KEYS}]
     for spec in args.compare:
-        setting = dict(settings[0], temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None)
+        setting = dict(settings[0], temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, logprobs=None)
         if spec != "greedy":
             for item in spec.split(","):
                 key, _, value = item.partition("=")
                 if key not in SAMPLING_KEYS:
                     raise ValueError(f"--compare: unknown sampling key {key!r}; use {', '.join(SAMPLING_KEYS)}")
                 try:
-                    setting[key] = int(value) if key in ("top_k", "seed") else float(value)
+                    setting[key] = int(value) if key in ("top_k", "seed", "logprobs") else float(value)
                 except ValueError:
                     raise ValueError(f"--compare {spec!r}: {key} needs a number, as {key}=0.7") from None
         settings.append(setting)
@@ -79,8 +82,9 @@ def sampling_settings(args) -> list[dict]:
 
 
 def describe(setting: dict) -> str:
+    logprobs = "" if setting.get("logprobs") is None else f", logprobs={setting['logprobs']}"
     if setting["temperature"] == 0:
-        return "greedy"
+        return "greedy" + logprobs
     return ", ".join(f"{k}={v}" for k, v in setting.items() if v is not None and (k == "temperature" or v != {
         "top_p": 1.0, "top_k": -1, "min_p": 0.0}.get(k)))
 

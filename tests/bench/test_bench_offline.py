@@ -70,3 +70,15 @@ def test_the_random_8b_model_on_a_cpu_is_a_clear_error_before_any_weight_is_made
     for argv in (["--model", "random-llama3-8b"], ["--model", "random-llama3-8b", "--device", "cuda"]):
         with pytest.raises(ValueError, match="CUDA"):
             offline.build_llm(parse(*argv))
+
+
+def test_logprobs_is_a_sampling_setting():
+    """`--logprobs K` (and logprobs=K in --compare) times the engine with every token's logprob
+    and its K most likely alternatives computed (#34's aim: >= 0.95x of the same run without)."""
+    args = parse("--logprobs", "5", "--compare", "greedy", "temperature=0.8,top_p=0.95,logprobs=5")
+    settings = offline.sampling_settings(args)
+    assert [offline.describe(s) for s in settings] == [
+        "greedy, logprobs=5", "greedy", "temperature=0.8, top_p=0.95, logprobs=5"]
+    from llmlab import SamplingParams
+
+    assert SamplingParams(**settings[0]).logprobs == 5 and SamplingParams(**settings[1]).logprobs is None
