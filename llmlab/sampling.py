@@ -231,3 +231,34 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list, ks
     chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
     top, top_ids = logprobs.topk(max(ks, default=0), dim=-1)
     return TokenLogprobs(rows, token_ids, chosen, top_ids, top, ks)
+
+
+# ---- prompt logprobs: extra logits rows of a step (`plan`: the scheduler's Plan, plan.py) ----
+def prompt_logprob_positions(plan) -> list[tuple]:
+    """(prefill item index, request, first, end) for each prompt chunk whose request asks for
+    prompt logprobs: the logits at positions first .. end - 1 score prompt tokens first + 1 ..
+    end. `engine.batch.prepare` asks for those rows after the sampling rows, in this order.
+    (The prompt's last position predicts the first output token: that is a sampling row.)"""
+    found = []
+    for j, item in enumerate(plan.prefills):
+        request = item.request
+        if request.prompt_logprobs is not None:
+            first = item.start_position
+            end = min(first + item.num_tokens, len(request.prompt_token_ids) - 1)
+            if end > first:
+                found.append((j, request, first, end))
+    return found
+
+
+def prompt_token_logprobs(logits: torch.Tensor, plan) -> TokenLogprobs | None:
+    """The prompt tokens' log-probabilities (the model's own: log_softmax of the raw logits)
+    from the logits of the rows `prompt_logprob_positions` asked for, [R, vocab]; a
+    TokenLogprobs whose rows are (request, prompt position), or None when no request asks."""
+    rows, targets, ks = [], [], []
+    for _, request, first, end in prompt_logprob_positions(plan):
+        rows += [(request, p + 1) for p in range(first, end)]
+        targets += request.prompt_token_ids[first + 1:end + 1]
+        ks += [request.params.prompt_logprobs] * (end - first)
+    if not rows:
+        return None
+    return token_logprobs(logits, torch.tensor(targets, device=logits.device), rows, ks)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import llmlab.kernels   # noqa: F401  switches Triton's interpreter on (no CUDA) before any test imports
+                        # transformers, which imports Triton: Triton reads the switch once, at import
+
 
 def pytest_addoption(parser):
     parser.addoption("--impl", default="solutions", choices=["solutions", "exercises"],

@@ -197,7 +197,7 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
     """(LLM, its HF config): random weights in the Llama-3-8B shape (bf16 on CUDA; `args.layers`,
     when set, fewer layers), no tokenizer. `engine_args`: EngineConfig fields that override
     the ones chosen here."""
-    from llmlab.engine.llm import LLM
+    from llmlab.llm import LLM
     from llmlab.engine.model_runner import check_device
 
     hf = dict(LLAMA3_8B)

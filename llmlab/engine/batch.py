@@ -12,7 +12,7 @@ import torch
 
 from llmlab.model.llama import ForwardBatch
 from llmlab.request import Request
-from llmlab.sampling import SamplingParams, token_logprobs
+from llmlab.sampling import SamplingParams, prompt_logprob_positions
 from llmlab.plan import Plan, ScheduledItem
 
 def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int = 1,
@@ -88,36 +88,6 @@ def prepare(plan: Plan, block_size: int, device: torch.device, num_splits: int =
         backend=backend,
     )
     return input_ids, positions, batch
-
-
-def prompt_logprob_positions(plan: Plan) -> list[tuple[int, Request, int, int]]:
-    """(prefill item index, request, first, end) for each prompt chunk whose request asks for
-    prompt logprobs: the logits at positions first .. end - 1 score prompt tokens first + 1 ..
-    end. `prepare` asks for those rows after the sampling rows, in this order. (The prompt's
-    last position predicts the first output token: that row is a sampling row, not one of these.)"""
-    found = []
-    for j, item in enumerate(plan.prefills):
-        request = item.request
-        if request.prompt_logprobs is not None:
-            first = item.start_position
-            end = min(first + item.num_tokens, len(request.prompt_token_ids) - 1)
-            if end > first:
-                found.append((j, request, first, end))
-    return found
-
-
-def prompt_logprobs(logits: torch.Tensor, plan: Plan):
-    """The prompt tokens' log-probabilities (the model's own: log_softmax of the raw logits)
-    from the logits of the rows `prompt_logprob_positions` asked for, [R, vocab]; a
-    TokenLogprobs whose rows are (request, prompt position), or None when no request asks."""
-    rows, targets, ks = [], [], []
-    for _, request, first, end in prompt_logprob_positions(plan):
-        rows += [(request, p + 1) for p in range(first, end)]
-        targets += request.prompt_token_ids[first + 1:end + 1]
-        ks += [request.params.prompt_logprobs] * (end - first)
-    if not rows:
-        return None
-    return token_logprobs(logits, torch.tensor(targets, device=logits.device), rows, ks)
 
 
 def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

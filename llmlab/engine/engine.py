@@ -18,7 +18,6 @@ import torch
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
-from llmlab.engine import batch as batches
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor
@@ -30,7 +29,7 @@ from llmlab.model.tokenizer import Tokenizer, check_prompt_ids, tokenize_prompt
 from llmlab.plan import Plan
 from llmlab.policies import fcfs
 from llmlab.request import Request, RequestOutput
-from llmlab.sampling import Sampler, SamplingParams
+from llmlab.sampling import Sampler, SamplingParams, prompt_token_logprobs
 from llmlab.scheduler import Scheduler
 
 
@@ -185,7 +184,7 @@ class LLMEngine:
             timings["forward"], clock = self._lap(clock)
             if requests:   # a step of mid-prompt chunks only samples nothing
                 sampled, logprobs = self.sampler.sample_requests(logits[:len(requests)], requests)
-            prompt_logprobs = batches.prompt_logprobs(logits[len(requests):], plan)   # rows after the sampling ones
+            prompt_logprobs = prompt_token_logprobs(logits[len(requests):], plan)   # rows after the sampling ones
             timings["sample"], clock = self._lap(clock)
         return InFlightStep(plan, requests, sampled, timings, kernel_timings, self.step_index, overlapped,
                             logprobs, prompt_logprobs)

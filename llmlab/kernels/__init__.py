@@ -34,6 +34,8 @@ from . import reference, torch_backend
 from .interpreter import enable_interpreter_if_no_cuda  # noqa: F401  (public: kernels.enable_interpreter_if_no_cuda)
 from .tuning import knobs  # noqa: F401  (the fast path's switches, one table: tuning.py)
 
+enable_interpreter_if_no_cuda()   # now, before anything else imports Triton (transformers does)
+
 KERNEL_NAMES = ("linear", "rms_norm", "rope", "silu_mul", "store_kv", "rope_store_kv", "prefill_attention",
                 "decode_attention", "rope_store_decode_attention", "sample")
 BACKENDS = ("reference", "torch", "triton")
