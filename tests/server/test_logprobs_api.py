@@ -18,7 +18,7 @@ from llmlab.server.app import create_app
 from llmlab.server.logprobs import LOWEST_LOGPROB
 
 from helpers.engine import cpu_engine, run_all, tiny_model
-from helpers.server import LONG_CONTEXT, CharTokenizer, running, tiny_engine
+from helpers.server import LONG_CONTEXT, CharTokenizer, assert_idle, running, tiny_engine
 
 USER = [{"role": "user", "content": "Hello there"}]
 # the engine's numbers in another batch (the server's own steps): float32 sums in another order
@@ -48,20 +48,6 @@ def chat_prompt_ids(messages) -> list[int]:
 
 def name(token_id: int) -> str:
     return CharTokenizer().decode([token_id])
-
-
-def assert_idle(app, timeout=30):
-    """Nothing running and every KV block free (the engine thread refreshes kv_stats)."""
-    import time
-
-    async_engine, deadline = app.state.async_engine, time.monotonic() + timeout
-    while True:
-        stats = async_engine.kv_stats
-        if (async_engine.num_unfinished == 0 and stats["free_device_blocks"] == stats["total_device_blocks"]
-                and stats["num_running"] == stats["num_waiting"] == 0):
-            return
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7)
