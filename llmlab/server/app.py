@@ -7,13 +7,19 @@
     client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[...], stream=True)
 
 Routes: POST /v1/completions and /v1/chat/completions (`stream: true` sends server-sent
-events, one `data: {chunk}` per new piece of text, then `data: [DONE]`), GET /v1/models
+events, one `data: {chunk}` per new piece of a choice's text, then `data: [DONE]`), GET /v1/models
 and /v1/models/{id}, GET /health, GET /metrics (Prometheus); every GET route answers HEAD. With an API key, the /v1
 routes need `Authorization: Bearer KEY`; /health and /metrics stay open for probes and
 scrapers (as in vLLM). POST bodies must be `application/json` (guards.py says why). Every
 error is OpenAI's JSON error object, 4xx for what the client sent, and the server keeps
 serving. No docs UI: FastAPI's /docs would load its scripts from a CDN; /openapi.json is
 there for tools.
+
+A request flows: `protocol.py` parses and checks the body; `submit` tokenizes its prompts
+(on tokenizer threads), fits `max_tokens` to each, fans each out into `n` engine requests
+and adds them all at once (`async_engine.py`); `choices.py` turns their outputs into the
+answer's choices (text, echo, logprobs via `logprobs.py`, usage), and `responses.py` sends
+them, streamed or whole.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request    # = fastapi.Request; FastAPI finds it by this name
 from llmlab.request import ContextLengthError
-from llmlab.server.async_engine import AsyncEngine, RefusedRequest, RequestGroup
+from llmlab.server.async_engine import AsyncEngine
+from llmlab.server.request_group import RefusedRequest, RequestGroup
 from llmlab.server.choices import ChatChoices, CompletionChoices
 from llmlab.server.guards import api_key_checker, host_checker, require_json
 from llmlab.server.logprobs import TokenNames

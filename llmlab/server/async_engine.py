@@ -19,7 +19,7 @@ one sequence per request, so a handler hands over all of them at once (`add_requ
 command, run between two steps, adds them all (they start in the same step, and `n` siblings
 share the prompt's blocks through the prefix cache), or, if the engine refuses one, aborts
 those it had added, so a refused request leaves nothing running. Their outputs come back
-through one queue (`RequestGroup`).
+through one queue (`RequestGroup`, request_group.py).
 
 Prompts are tokenized (and chat templates applied) on tokenizer threads, off both the
 event loop and the engine thread, and reach the engine as token ids (tokenizer_threads.py).
@@ -31,14 +31,13 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from llmlab.engine.engine import LLMEngine
-from llmlab.request import Request, RequestOutput
+from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams
 from llmlab.server.metrics import ServerMetrics
 from llmlab.server.protocol import APIError
+from llmlab.server.request_group import RefusedRequest, RequestGroup, RequestStream
 from llmlab.server.tokenizer_threads import TokenizerLanes
 
 logger = logging.getLogger("llmlab.server")
@@ -51,78 +50,6 @@ def shutting_down() -> APIError:
 
 def engine_failed() -> APIError:    # the details go to the log, not to the client
     return APIError(500, "the engine failed while running this request", type="server_error")
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """One engine request: one choice of an API request's answer."""
-    request_id: str
-    index: int                       # the choice's index in the answer
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    queue: asyncio.Queue             # its RequestGroup's: (index, RequestOutput | Exception)
-    arrival_time: float = field(default_factory=time.perf_counter)
-    # touched only by the engine thread (for metrics)
-    request: Request | None = None   # the engine's request (its num_preemptions)
-    num_tokens_seen: int = 0
-    last_token_time: float = 0.0
-
-
-class RefusedRequest(ValueError):
-    """The engine refused choice `index` of an API request (the client's fault): `error`."""
-
-    def __init__(self, index: int, error: ValueError):
-        super().__init__(str(error))
-        self.index, self.error = index, error
-
-
-class RequestGroup:
-    """A handler's end of one API request: the engine requests of its choices, read through
-    one queue, in the order their outputs come."""
-
-    def __init__(self, engine: "AsyncEngine", streams: list[RequestStream], queue: asyncio.Queue,
-                 accepted: asyncio.Future):
-        self.engine, self.streams, self.queue = engine, streams, queue
-        self.accepted = accepted     # done once the engine took them all, or with the error that refused one
-        self.unfinished = {stream.index for stream in streams}    # (as far as the reader knows)
-
-    async def outputs(self) -> AsyncIterator[tuple[RequestStream, RequestOutput]]:
-        """(choice, output) until every choice has finished. When a choice has several outputs
-        queued (a slow reader) they are merged into one: the newest, carrying all their deltas
-        (text, token ids, logprobs). An error (the engine failed, shutdown) is raised."""
-        while self.unfinished:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            errors = [item for _, item in items if isinstance(item, BaseException)]
-            if errors:
-                self.unfinished.clear()    # (an error ends every choice: the engine aborted them)
-                raise errors[0]
-            by_choice: dict[int, list[RequestOutput]] = {}
-            for index, output in items:
-                by_choice.setdefault(index, []).append(output)
-            for index, outputs in by_choice.items():
-                last = merged(outputs)
-                if last.finished:
-                    self.unfinished.discard(index)
-                yield self.streams[index], last
-
-    def close(self) -> None:
-        """The reader is done: abort every choice that has not finished (its KV blocks come back)."""
-        for index in sorted(self.unfinished):
-            self.engine.abort(self.streams[index].request_id)
-        self.unfinished.clear()
-
-
-def merged(outputs: list[RequestOutput]) -> RequestOutput:
-    """The newest of one request's outputs, carrying the deltas of all of them."""
-    last = outputs[-1]
-    if len(outputs) > 1:
-        last.delta_text = "".join(o.delta_text for o in outputs)
-        last.delta_token_ids = [t for o in outputs for t in o.delta_token_ids]
-        if last.delta_logprobs is not None:
-            last.delta_logprobs = [entry for o in outputs for entry in o.delta_logprobs]
-    return last
 
 
 class AsyncEngine:
@@ -192,7 +119,7 @@ class AsyncEngine:
         queue = asyncio.Queue()
         streams = [RequestStream(request_id, index, token_ids, params, queue)
                    for index, (request_id, token_ids, params) in enumerate(requests)]
-        group = RequestGroup(self, streams, queue, self._loop.create_future())
+        group = RequestGroup(self.abort, streams, queue, self._loop.create_future())
         self._call_soon(self._add, group)
         try:
             await group.accepted

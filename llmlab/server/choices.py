@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmlab.request import RequestOutput
-from llmlab.server.async_engine import RequestGroup, RequestStream
+from llmlab.server.request_group import RequestGroup, RequestStream
 from llmlab.server.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
 from llmlab.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatMessageOut, Completion, CompletionChoice, Delta, Usage)

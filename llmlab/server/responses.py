@@ -23,8 +23,7 @@ from llmlab.server.protocol import APIError
 
 if TYPE_CHECKING:
     from llmlab.request import RequestOutput
-    from llmlab.server.async_engine import RequestGroup
-    from llmlab.server.choices import Choices
+    from llmlab.server.request_group import RequestGroup
 
 
 # ---- response bodies (field names and shapes as in the OpenAI API reference) ----------
@@ -146,14 +145,15 @@ def as_api_error(err: Exception) -> APIError:
     return APIError(500, "internal server error", type="server_error")
 
 
-def event_stream(group: RequestGroup, choices: Choices, include_usage: bool, on_error: Callable[[int], None]):
+def event_stream(group: RequestGroup, choices, include_usage: bool, on_error: Callable[[int], None]):
     """Server-sent events: the opening chunks (chat: each choice's role), a chunk per new
     piece of a choice, its finish reason on its last one, usage if asked
     (`stream_options.include_usage`), then [DONE]. An error after the headers went out (the
     engine failed, the server is shutting down) is sent as OpenAI's error object in an event,
     then [DONE]: the client sees why, and the stream still ends properly. A client that
     disconnects cancels this generator (Starlette listens for the disconnect), which aborts
-    every choice still running."""
+    every choice still running. `choices`: a choices.py `Choices` (its `opening()`,
+    `chunk(stream, output)` and `usage_chunk()` build the chunks)."""
     from fastapi.responses import StreamingResponse
 
     async def events():
