@@ -16,9 +16,9 @@ strict (the string "5" is not a number, as in OpenAI's own API); values are chec
 by `SamplingParams`.
 
 Fields this server does not act on come in two kinds. Those that ask for a different output
-(a tool or function call, audio, a web search, JSON, penalties, `best_of` other than `n`, ...)
-are a 400 naming the field unless they are at their "off" value: a client that asked for audio and got plain
-text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
+(a tool or function call, audio, a web search, JSON, penalties, `best_of` other than `n`,
+...) are a 400 naming the field unless they are at their "off" value: a client that asked for
+audio and got plain text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
 `user`, `parallel_tool_calls`, `reasoning_effort`, a message's `name`, and any field
 OpenAI may add) are accepted and listed by `ignored_fields`, which the server logs in one
 warning line per request, as vLLM does.
@@ -102,6 +102,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False        # vLLM extension: benchmarks use it for exact output lengths
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
     unsupported_fields: ClassVar[dict] = UNSUPPORTED_FIELDS
+    logprobs_param: ClassVar[str] = "logprobs"    # the field that sets k (chat: top_logprobs)
 
     @model_validator(mode="before")
     @classmethod
@@ -144,7 +145,7 @@ class SamplingFields(BaseModel):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    # (subclasses: what they ask of logprobs; the request's names for the engine's fields)
+    # (subclasses say what they ask of logprobs and echo)
     @property
     def num_logprobs(self) -> int | None:
         """k alternatives per token when the request asks for logprobs, else None."""
@@ -176,17 +177,15 @@ class SamplingFields(BaseModel):
                       ignore_eos=self.ignore_eos, n=self.n, logprobs=k,
                       prompt_logprobs=k if self.echo_prompt else None)
         if fields["max_tokens"] is None or self.prompt_only:
-            fields["max_tokens"] = 1    # (only checking the other fields, before the prompt is known)
+            # None: only checking the other fields, before the prompt is known; prompt_only: one token is run
+            fields["max_tokens"] = 1
         try:
             return SamplingParams(**fields)
         except ValueError as err:
             field = refused_field(fields)
-            # the request's name for it
-            name = {"max_tokens": param, "logprobs": self.logprobs_param, "prompt_logprobs": self.logprobs_param
-                    }.get(field, field)
+            names = {"max_tokens": param, "logprobs": self.logprobs_param, "prompt_logprobs": self.logprobs_param}
+            name = names.get(field, field)     # the request's name for it
             raise APIError(400, str(err).replace(f"SamplingParams.{field}", f"'{name}'"), param=name) from None
-
-    logprobs_param: ClassVar[str] = "logprobs"
 
 
 def refuse_unsupported(data: dict, unsupported: dict, prefix: str = "") -> None:
@@ -266,8 +265,9 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         if len(prompts) * self.n > MAX_CHOICES:
-            raise APIError(400, f"too many completions in one request: {len(prompts)} prompts x n = {self.n} "
-                           f"> {MAX_CHOICES}; split it into several requests", param="prompt")
+            raise APIError(400, f"too many completions in one request: {len(prompts)} prompts x n = {self.n} is "
+                           f"{len(prompts) * self.n}, more than {MAX_CHOICES}; split it into several requests",
+                           param="prompt")
         return prompts
 
 
