@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # missing folder is not an error.
 NOTEBOOKS := $(if $(wildcard notebooks/*.ipynb),notebooks)
 
-.PHONY: demo test test-fast grade lab clean
+.PHONY: demo test test-fast grade lab clients clean
 
 demo: $(STAMP)
 	$(VENV)/bin/llmlab demo
@@ -29,6 +29,21 @@ test-fast: $(STAMP)
 grade: $(STAMP)
 	$(VENV)/bin/python tests/exercises/grade.py $(EX)
 
+# The clients vLLM's users run, for real, against a live `llmlab serve` on the embedded model
+# (tests/server/test_real_clients.py): lm-evaluation-harness and GuideLLM from PyPI, in a venv
+# of their own (they bring their own torch and transformers), offline once installed. Not in
+# `make test`: the first install downloads ~1 GB.
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+
+clients: $(STAMP) $(CLIENTS_STAMP)
+	LLMLAB_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(VENV)/bin/python -m pytest tests/server/test_real_clients.py -v -s
+
+$(CLIENTS_STAMP):
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install 'lm-eval[api,hf]>=0.4,<0.5' 'guidellm>=0.8,<0.9'
+	touch $@
+
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
@@ -45,4 +60,4 @@ $(STAMP): pyproject.toml requirements-nodeps.txt
 	else echo "note: llmlab/__init__.py missing; will reinstall on the next make"; fi
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CLIENTS_VENV)

@@ -29,6 +29,27 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included ("<|im_end|>"): how a server names
+        a token in its logprobs. A token holding part of a UTF-8 character decodes to "\ufffd";
+        `token_bytes` has its real bytes."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`: a client joins them to
+        rebuild characters split between tokens). A byte-level BPE entry ("Ġæ") maps back
+        through GPT-2's byte-to-character table; a byte-fallback entry ("<0xE3>") is its byte;
+        anything else is its decoded text in UTF-8."""
+        entry = self.hf.convert_ids_to_tokens(token_id)
+        if entry is not None and type(self.hf.backend_tokenizer.decoder).__name__ == "ByteLevel" \
+                and token_id not in self.hf.all_special_ids and all(c in BYTE_OF_CHAR for c in entry):
+            return bytes(BYTE_OF_CHAR[c] for c in entry)
+        if entry is not None and len(entry) == 6 and entry.startswith("<0x") and entry.endswith(">"):
+            return bytes([int(entry[3:5], 16)])
+        return self.token_text(token_id).encode("utf-8")
+
     @functools.cached_property
     def max_chars_per_token(self) -> int:
         """The most characters of text one token can stand for: its longest vocabulary entry.
@@ -67,6 +88,23 @@ class Tokenizer:
         # the template already writes any BOS token, so no special tokens are added again
         return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                            sanitize_control_tokens=True)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: byte-level BPE writes byte b as one printable
+    character (itself for printable ASCII and Latin-1, else chr(256 + i))."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_OF_CHAR = _byte_of_char()
 
 
 def tokenize_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[list[int], str | None]:

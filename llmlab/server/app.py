@@ -7,16 +7,23 @@
     client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[...], stream=True)
 
 Routes: POST /v1/completions and /v1/chat/completions (`stream: true` sends server-sent
-events, one `data: {chunk}` per new piece of text, then `data: [DONE]`), GET /v1/models
+events, one `data: {chunk}` per new piece of a choice's text, then `data: [DONE]`), GET /v1/models
 and /v1/models/{id}, GET /health, GET /metrics (Prometheus); every GET route answers HEAD. With an API key, the /v1
 routes need `Authorization: Bearer KEY`; /health and /metrics stay open for probes and
 scrapers (as in vLLM). POST bodies must be `application/json` (guards.py says why). Every
 error is OpenAI's JSON error object, 4xx for what the client sent, and the server keeps
 serving. No docs UI: FastAPI's /docs would load its scripts from a CDN; /openapi.json is
 there for tools.
+
+A request flows: `protocol.py` parses and checks the body; `submit` tokenizes its prompts
+(on tokenizer threads), fits `max_tokens` to each, fans each out into `n` engine requests
+and adds them all at once (`async_engine.py`); `choices.py` turns their outputs into the
+answer's choices (text, echo, logprobs via `logprobs.py`, usage), and `responses.py` sends
+them, streamed or whole.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from pathlib import Path
@@ -24,13 +31,14 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request    # = fastapi.Request; FastAPI finds it by this name
 from llmlab.request import ContextLengthError
-from llmlab.server.async_engine import AsyncEngine, RequestStream
+from llmlab.server.async_engine import AsyncEngine
+from llmlab.server.request_group import RefusedRequest, RequestGroup
+from llmlab.server.choices import ChatChoices, CompletionChoices
 from llmlab.server.guards import api_key_checker, host_checker, require_json
+from llmlab.server.logprobs import TokenNames
 from llmlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, parse_json,
                                     resolve_max_tokens)
-from llmlab.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                                     ChatMessageOut, Completion, CompletionChoice, Delta, ModelCard,
-                                     ModelList, Usage, event_stream, new_id, now, usage_of, wait_for_last)
+from llmlab.server.responses import ModelCard, ModelList, event_stream, new_id, now, wait_for_all
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -143,25 +151,56 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 
-    async def submit(request_id: str, body, default_max_tokens: int | None, **prompt) -> RequestStream:
-        """Tokenize (on a tokenizer thread), fit max_tokens to the context, queue the request."""
-        param = "messages" if "messages" in prompt else "prompt"
+    async def submit(response_id: str, body, default_max_tokens: int | None,
+                     prompts: list[dict]) -> RequestGroup:
+        """Tokenize every prompt (on tokenizer threads, side by side), fit max_tokens to each
+        one's context, fan each out into n engine requests, and queue them all at once, so they
+        batch. One prompt's error is a 400 for the whole request, and leaves nothing running.
+        `prompts`: {"prompt": text or ids} or {"messages": [...]} each."""
+        param = "messages" if "messages" in prompts[0] else "prompt"
+
+        def refused(index: int, err: ValueError) -> APIError:
+            message = f"prompt[{index}]: {err}" if len(prompts) > 1 else str(err)
+            code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
+            return APIError(400, message, param=param, code=code)
+
         body.sampling_params()     # the cheap checks first, before tokenizing
-        try:
-            token_ids = await async_engine.tokenize(**prompt)
-        except ContextLengthError as err:     # (refused from its length, before it was encoded)
-            raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
-        except ValueError as err:
-            raise APIError(400, str(err), param=param) from None
+        tokenized = await asyncio.gather(*(async_engine.tokenize(**prompt) for prompt in prompts),
+                                         return_exceptions=True)
+        for index, result in enumerate(tokenized):
+            if isinstance(result, ValueError):    # (ContextLengthError: refused from its length, unencoded)
+                raise refused(index, result)
+            if isinstance(result, BaseException):
+                raise result
         requested, max_tokens_param = body.requested_max_tokens
-        params = body.sampling_params(resolve_max_tokens(requested, default_max_tokens, len(token_ids),
-                                                         engine.max_model_len, max_tokens_param, param))
+        requests = []
+        for index, token_ids in enumerate(tokenized):
+            name = f"prompt[{index}]" if len(prompts) > 1 else "the prompt"
+            params = body.sampling_params(resolve_max_tokens(requested, default_max_tokens, len(token_ids),
+                                                             engine.max_model_len, max_tokens_param, param, name))
+            requests += [(f"{response_id}-{index * body.n + i}", token_ids, one)    # the choice's index
+                         for i, one in enumerate(params.fan_out())]
         try:
-            return await async_engine.add_request(request_id, token_ids, params)
-        except ContextLengthError as err:
-            raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
-        except ValueError as err:
-            raise APIError(400, str(err), param=param) from None
+            return await async_engine.add_requests(requests)
+        except RefusedRequest as err:
+            raise refused(err.index // body.n, err.error) from None
+
+    names = TokenNames(engine.tokenizer)
+
+    def prompt_text(prompt: str | list[int]) -> str:
+        """What echo shows of a prompt: its text, or its token ids decoded (special tokens too)."""
+        if isinstance(prompt, str):
+            return prompt
+        return engine.tokenizer.decode(prompt, skip_special_tokens=False) if engine.tokenizer is not None else ""
+
+    async def answer(request: Request, body, group: RequestGroup, choices):
+        """The answer, streamed or whole, from the choices' outputs."""
+        if body.stream:
+            return event_stream(group, choices, body.include_usage, metrics.on_error)
+        outputs = await wait_for_all(group, request)
+        if outputs is None:
+            return Response(status_code=499)    # the client hung up; nobody reads this
+        return choices.whole(outputs).model_dump()
 
     @v1.post("/completions", dependencies=[Depends(require_json)])
     async def completions(request: Request):
@@ -169,18 +208,11 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
         warn_ignored_fields(request, body)
         check_model(body.model)
         response_id, created = new_id("cmpl"), now()
-        stream = await submit(response_id, body, COMPLETIONS_DEFAULT_MAX_TOKENS, prompt=body.single_prompt())
-
-        def completion(text: str, finish_reason: str | None, usage: Usage | None = None, choices=True):
-            return Completion(id=response_id, created=created, model=model_name, usage=usage,
-                              choices=[CompletionChoice(text=text, finish_reason=finish_reason)] if choices else [])
-
-        if body.stream:
-            return event_stream(stream, completion, body.include_usage, None, metrics.on_error)
-        output = await wait_for_last(stream, request)
-        if output is None:
-            return Response(status_code=499)    # the client hung up; nobody reads this
-        return completion(output.text, output.finish_reason, usage_of(stream, output)).model_dump()
+        prompts = body.prompts()
+        group = await submit(response_id, body, COMPLETIONS_DEFAULT_MAX_TOKENS, [{"prompt": p} for p in prompts])
+        texts = [prompt_text(prompt) for prompt in prompts] if body.echo else []
+        choices = CompletionChoices(response_id, created, model_name, body, group, names, prompt_texts=texts)
+        return await answer(request, body, group, choices)
 
     @v1.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(request: Request):
@@ -190,25 +222,8 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
         response_id, created = new_id("chatcmpl"), now()
         messages = [m.as_template_message() for m in body.messages]
         # no max_tokens: until the context is full (the engine stops there with "length")
-        stream = await submit(response_id, body, None, messages=messages)
-
-        if body.stream:
-            def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None,
-                      choices=True, role=None):
-                delta = Delta(role=role, content=text if text or role else None)
-                return ChatCompletionChunk(
-                    id=response_id, created=created, model=model_name, usage=usage,
-                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if choices else [])
-            # the first chunk names the speaker, before any text (as OpenAI does)
-            return event_stream(stream, chunk, body.include_usage, chunk("", None, role="assistant"),
-                                metrics.on_error)
-        output = await wait_for_last(stream, request)
-        if output is None:
-            return Response(status_code=499)
-        return ChatCompletion(id=response_id, created=created, model=model_name,
-                              choices=[ChatChoice(message=ChatMessageOut(content=output.text),
-                                                  finish_reason=output.finish_reason)],
-                              usage=usage_of(stream, output)).model_dump()
+        group = await submit(response_id, body, None, [{"messages": messages}])
+        return await answer(request, body, group, ChatChoices(response_id, created, model_name, body, group, names))
 
     app.include_router(v1)
     return app

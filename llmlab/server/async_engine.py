@@ -13,6 +13,14 @@ Requests from every client meet in the same `engine.step()`, so they are batched
 (iteration-level scheduling, Orca) without the handlers knowing about each other. Because
 steps run off the event loop, a slow step never delays accepting a connection.
 
+One API request can be several engine requests: `n` completions of a prompt, and a
+completion request may hold many prompts (an evaluation harness sends 8-32). The engine takes
+one sequence per request, so a handler hands over all of them at once (`add_requests`): one
+command, run between two steps, adds them all (they start in the same step, and `n` siblings
+share the prompt's blocks through the prefix cache), or, if the engine refuses one, aborts
+those it had added, so a refused request leaves nothing running. Their outputs come back
+through one queue (`RequestGroup`, request_group.py).
+
 Prompts are tokenized (and chat templates applied) on tokenizer threads, off both the
 event loop and the engine thread, and reach the engine as token ids (tokenizer_threads.py).
 """
@@ -23,14 +31,13 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from llmlab.engine.engine import LLMEngine
-from llmlab.request import Request, RequestOutput
+from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams
 from llmlab.server.metrics import ServerMetrics
 from llmlab.server.protocol import APIError
+from llmlab.server.request_group import RefusedRequest, RequestGroup, RequestStream
 from llmlab.server.tokenizer_threads import TokenizerLanes
 
 logger = logging.getLogger("llmlab.server")
@@ -43,46 +50,6 @@ def shutting_down() -> APIError:
 
 def engine_failed() -> APIError:    # the details go to the log, not to the client
     return APIError(500, "the engine failed while running this request", type="server_error")
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """A handler's end of one request."""
-    request_id: str
-    engine: "AsyncEngine"
-    prompt_token_ids: list[int]
-    accepted: asyncio.Future         # done once the engine took the request, or with its error
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | Exception
-    arrival_time: float = field(default_factory=time.perf_counter)
-    finished: bool = False           # (as far as the reader knows)
-    # touched only by the engine thread (for metrics)
-    request: Request | None = None   # the engine's request (its num_preemptions)
-    num_tokens_seen: int = 0
-    last_token_time: float = 0.0
-
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes. When several are queued (a slow reader)
-        they are merged into one: the newest, carrying all their deltas."""
-        while not self.finished:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            errors = [item for item in items if isinstance(item, BaseException)]
-            if errors:
-                self.finished = True
-                raise errors[0]
-            last = items[-1]
-            if len(items) > 1:
-                last.delta_text = "".join(item.delta_text for item in items)
-                last.delta_token_ids = [t for item in items for t in item.delta_token_ids]
-            self.finished = last.finished
-            yield last
-
-    def close(self) -> None:
-        """The reader is done: abort the request unless it finished (its KV blocks come back)."""
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -142,19 +109,24 @@ class AsyncEngine:
         cannot be tokenized, ContextLengthError for what cannot fit."""
         return await self._tokenizer_lanes.tokenize(prompt, messages)
 
-    async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a tokenized prompt. Returns once the engine has accepted it; raises
-        ValueError if it was refused (the client's fault), APIError 503 while shutting down."""
+    async def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
+        """Queue an API request's engine requests, (request id, token ids, params) each: choice
+        i is requests[i]. The engine thread adds them in one go, between two steps. Returns
+        once the engine has accepted them all; raises RefusedRequest if it refused one (the
+        client's fault; none of them is left in the engine), APIError 503 while shutting down."""
         if self.draining or self._stopping:
             raise shutting_down()
-        stream = RequestStream(request_id, self, token_ids, self._loop.create_future())
-        self._call_soon(self._add, stream, params)
+        queue = asyncio.Queue()
+        streams = [RequestStream(request_id, index, token_ids, params, queue)
+                   for index, (request_id, token_ids, params) in enumerate(requests)]
+        group = RequestGroup(self.abort, streams, queue, self._loop.create_future())
+        self._call_soon(self._add, group)
         try:
-            await stream.accepted
+            await group.accepted
         except asyncio.CancelledError:
-            self.abort(request_id)
+            group.close()
             raise
-        return stream
+        return group
 
     def abort(self, request_id: str) -> None:
         """Stop generating for a request and free its KV blocks (no-op once finished)."""
@@ -192,23 +164,31 @@ class AsyncEngine:
             self.kv_stats = self.engine.kv_stats()
         self._fail_all(shutting_down())
 
-    def _add(self, stream: RequestStream, params: SamplingParams) -> None:
+    def _add(self, group: RequestGroup) -> None:
+        """Add every engine request of the group, or none: one the engine refuses aborts
+        those added before it (they have not run a step yet)."""
         if self._stopping:    # queued before a shutdown ended the others
-            self._resolve(stream.accepted, error=shutting_down())
+            self._resolve(group.accepted, error=shutting_down())
             return
-        try:
-            self.engine.add_request(stream.prompt_token_ids, params, stream.request_id)
-        except ValueError as err:     # the client's fault: a 400
-            self._resolve(stream.accepted, error=err)
-            return
-        except Exception:
-            logger.exception("adding request %s failed", stream.request_id)
-            self._resolve(stream.accepted, error=engine_failed())
-            return
-        stream.request = self.engine.requests.get(stream.request_id)
-        self._streams[stream.request_id] = stream
-        self.metrics.on_added(len(stream.prompt_token_ids))
-        self._resolve(stream.accepted)
+        added = []
+        for stream in group.streams:
+            try:
+                self.engine.add_request(stream.prompt_token_ids, stream.params, stream.request_id)
+            except Exception as err:
+                for other in added:
+                    self.engine.abort(other.request_id)
+                if isinstance(err, ValueError):     # the client's fault: a 400
+                    self._resolve(group.accepted, error=RefusedRequest(stream.index, err))
+                else:
+                    logger.exception("adding request %s failed", stream.request_id)
+                    self._resolve(group.accepted, error=engine_failed())
+                return
+            added.append(stream)
+        for stream in group.streams:
+            stream.request = self.engine.requests.get(stream.request_id)
+            self._streams[stream.request_id] = stream
+            self.metrics.on_added(len(stream.prompt_token_ids))
+        self._resolve(group.accepted)
 
     def _finished(self, stream: RequestStream, finish_reason: str, now: float) -> None:
         num_preemptions = stream.request.num_preemptions if stream.request is not None else 0
@@ -260,7 +240,7 @@ class AsyncEngine:
         self._on_loop(resolve)
 
     def _put(self, stream: RequestStream, item) -> None:
-        self._on_loop(stream.queue.put_nowait, item)
+        self._on_loop(stream.queue.put_nowait, (stream.index, item))
 
     def _on_loop(self, function, *args) -> None:
         """Run `function(*args)` on the event loop: asyncio objects are not thread-safe."""

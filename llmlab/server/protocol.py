@@ -1,7 +1,13 @@
 """The OpenAI wire format of requests: bodies (validated by pydantic) and errors.
 
 Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`,
-`min_p` and `ignore_eos`), so the official `openai` client and tools built on it work unchanged.
+`min_p`, `ignore_eos` and `stream_options.continuous_usage_stats`), so the official `openai`
+client and tools built on it (lm-evaluation-harness, GuideLLM) work unchanged. A completion's
+`prompt` takes all four of OpenAI's forms (a string, a list of strings, a list of token ids,
+a list of token-id lists); `n` completions of each prompt; `logprobs` (completions: k, up to
+20 as in vLLM, where OpenAI stops at 5; chat: `logprobs: true` and `top_logprobs` k, up to
+20) and `echo` (completions: the prompt, and its tokens' logprobs, before the completion;
+with `max_tokens: 0` the prompt alone, as vLLM does).
 A body is parsed and validated in one pass by pydantic's own JSON parser
 (`model_validate_json`): it refuses what Python's `json` module would let through to
 crash later (lone surrogates like "\\ud800", nesting thousands deep, 5,000-digit numbers,
@@ -10,16 +16,16 @@ strict (the string "5" is not a number, as in OpenAI's own API); values are chec
 by `SamplingParams`.
 
 Fields this server does not act on come in two kinds. Those that ask for a different output
-(a tool or function call, audio, a web search, JSON, logprobs, ...) are a 400 naming the
-field unless they are at their "off" value: a client that asked for audio and got plain
-text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
+(a tool or function call, audio, a web search, JSON, penalties, `best_of` other than `n`,
+...) are a 400 naming the field unless they are at their "off" value: a client that asked for
+audio and got plain text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
 `user`, `parallel_tool_calls`, `reasoning_effort`, a message's `name`, and any field
 OpenAI may add) are accepted and listed by `ignored_fields`, which the server logs in one
 warning line per request, as vLLM does.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
@@ -43,14 +49,15 @@ class APIError(Exception):
 # null), so a client that relies on one gets a clear 400 instead of different behaviour.
 # `()`: no value is off.
 UNSUPPORTED_FIELDS = {
-    # (completions' logprobs: 0 still asks for the sampled tokens' logprobs: only false is off)
-    "echo": (False,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
     "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
     "functions": ([],), "function_call": ("none",),        # the tools API before `tools`
     "modalities": (["text"],), "audio": (), "web_search_options": (),
     "prediction": (),    # a predicted output: the client expects it reused and its tokens counted
+    "prompt_logprobs": (),   # vLLM's: the prompt's logprobs in a shape of its own (echo + logprobs gives them)
 }
+# chat has no `echo` in OpenAI's API (vLLM's echoes the last message; not here)
+CHAT_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "echo": (False,)}
 # in a message: an assistant turn that called tools (the template here has no way to write it)
 UNSUPPORTED_MESSAGE_FIELDS = {"tool_calls": ([],), "function_call": ()}
 
@@ -65,10 +72,16 @@ def is_off(value, off: tuple) -> bool:
     return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off)
 
 
+MAX_CHOICES = 1024   # prompts x n in one request (a 1 MiB body could list 250,000 one-token prompts)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")   # a typo here is a 400, as in OpenAI
     include_usage: bool = False
     include_obfuscation: bool = True   # OpenAI pads chunks against length side channels; accepted, unused
+    # vLLM's: usage (the choice's prompt tokens, its completion tokens so far) on every chunk;
+    # GuideLLM asks for it. Works with or without include_usage (vLLM wants both).
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -88,12 +101,19 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False        # vLLM extension: benchmarks use it for exact output lengths
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+    unsupported_fields: ClassVar[dict] = UNSUPPORTED_FIELDS
+    logprobs_param: ClassVar[str] = "logprobs"    # the field that sets k (chat: top_logprobs)
 
     @model_validator(mode="before")
     @classmethod
     def reject_unsupported(cls, data):
         if isinstance(data, dict):
-            refuse_unsupported(data, UNSUPPORTED_FIELDS)
+            refuse_unsupported(data, cls.unsupported_fields)
+            # best_of: the best of k sampled completions (by their logprob); k = n is all of them
+            best_of, n = data.get("best_of"), data.get("n", 1)
+            if best_of is not None and (isinstance(best_of, bool) or best_of != n):
+                raise APIError(400, "'best_of' is not supported by this server (only best_of = n, which returns "
+                               "every completion)", param="best_of", code="unsupported_parameter")
         return data
 
     @model_validator(mode="wrap")
@@ -122,27 +142,49 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    # (subclasses say what they ask of logprobs and echo)
+    @property
+    def num_logprobs(self) -> int | None:
+        """k alternatives per token when the request asks for logprobs, else None."""
+        return None
+
+    @property
+    def echo_prompt(self) -> bool:
+        return False
+
+    @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the max_tokens asked for or None, the field that asked)."""
         return self.max_tokens, "max_tokens"
 
+    @property
+    def prompt_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the prompt's scores alone (vLLM's answer to it). The
+        engine generates at least one token: it runs one, and the answer leaves it out."""
+        return self.echo_prompt and self.requested_max_tokens[0] == 0
+
     def sampling_params(self, max_tokens: int | None = None) -> SamplingParams:
-        """The request's SamplingParams; `max_tokens` overrides the requested one (the
-        server resolves the default once it knows the prompt's length)."""
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+        """The request's SamplingParams (n of them: `fan_out`); `max_tokens` overrides the
+        requested one (the server resolves the default once it knows the prompt's length)."""
         requested, param = self.requested_max_tokens
+        k = self.num_logprobs
         fields = dict(max_tokens=requested if max_tokens is None else max_tokens, temperature=self.temperature,
                       top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                       stop=[] if self.stop is None else self.stop,   # "" is refused, as [""] is
-                      ignore_eos=self.ignore_eos)
-        if fields["max_tokens"] is None:
-            fields["max_tokens"] = 1    # (only checking the other fields, before the prompt is known)
+                      ignore_eos=self.ignore_eos, n=self.n, logprobs=k,
+                      prompt_logprobs=k if self.echo_prompt else None)
+        if fields["max_tokens"] is None or self.prompt_only:
+            # None: only checking the other fields, before the prompt is known; prompt_only: one token is run
+            fields["max_tokens"] = 1
         try:
             return SamplingParams(**fields)
         except ValueError as err:
             field = refused_field(fields)
-            name = param if field == "max_tokens" else field     # the request's name for it
+            names = {"max_tokens": param, "logprobs": self.logprobs_param, "prompt_logprobs": self.logprobs_param}
+            name = names.get(field, field)     # the request's name for it
             raise APIError(400, str(err).replace(f"SamplingParams.{field}", f"'{name}'"), param=name) from None
 
 
@@ -160,7 +202,7 @@ def ignored_fields(model: type[BaseModel], data: dict) -> list[str]:
     def unused(fields: dict, declared, unsupported) -> list[str]:
         return [name for name, value in fields.items()
                 if value is not None and name not in declared and name not in unsupported]
-    names = unused(data, model.model_fields, UNSUPPORTED_FIELDS)
+    names = unused(data, model.model_fields, model.unsupported_fields)
     messages = data.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(message, dict):
@@ -181,20 +223,23 @@ def refused_field(fields: dict) -> str | None:
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int,
-                       max_model_len: int, param: str, prompt_param: str) -> int:
+                       max_model_len: int, param: str, prompt_param: str, prompt_name: str = "the prompt") -> int:
     """Output tokens the request may generate. A `max_tokens` the context cannot hold is
     a 400 (OpenAI and vLLM refuse it; clamping it would silently shorten the answer);
-    without one, `default` (or the rest of the context) is cut to what fits."""
+    without one, `default` (or the rest of the context) is cut to what fits. (`max_tokens: 0`
+    with echo runs one token: 1 here.)"""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
-                       f"but the prompt has {num_prompt_tokens} (the prompt and at least one new "
+                       f"but {prompt_name} has {num_prompt_tokens} (the prompt and at least one new "
                        f"token must fit)", param=prompt_param, code="context_length_exceeded")
+    if requested == 0:
+        return 1
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
         raise APIError(400, f"'{param}' is too large: {requested}. This model's maximum context "
-                       f"length is {max_model_len} tokens and the prompt has {num_prompt_tokens} "
+                       f"length is {max_model_len} tokens and {prompt_name} has {num_prompt_tokens} "
                        f"({requested} > {max_model_len} - {num_prompt_tokens})",
                        param=param, code="context_length_exceeded")
     return requested
@@ -202,15 +247,28 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None     # k: the sampled token's logprob and the k most likely (0..20)
+    echo: bool = False              # the prompt before the completion (and its logprobs first)
+    best_of: int | None = None      # only = n (checked in reject_unsupported)
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); a batch of several is not supported."""
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_prompt(self) -> bool:
+        return self.echo
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or token ids: a list of strings or of token-id lists is
+        several (one choice each, times n); a string or a list of token ids is one."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        return prompt
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(400, f"too many completions in one request: {len(prompts)} prompts x n = {self.n} is "
+                           f"{len(prompts) * self.n}, more than {MAX_CHOICES}; split it into several requests",
+                           param="prompt")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -239,6 +297,20 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
+    logprobs: bool = False          # each output token's logprob ...
+    top_logprobs: int | None = None  # ... and the k most likely there (0..20; needs logprobs: true)
+    unsupported_fields: ClassVar[dict] = CHAT_UNSUPPORTED_FIELDS
+    logprobs_param: ClassVar[str] = "top_logprobs"
+
+    @model_validator(mode="after")
+    def top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="before")
     @classmethod
@@ -270,5 +342,9 @@ def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
         field = str(first["loc"][0]) if first["loc"] else None
         message = first["msg"].removeprefix("Value error, ")
         if field is not None:
-            message = f"invalid value for '{field}': {message}"
+            # the whole path where the field is an object's ("stream_options.bogus"); a union's
+            # variant names (prompt's 'str', 'list[int]', ...) are pydantic's, not the request's
+            path = [str(part) for part in first["loc"]]
+            where = ".".join(path) if first["type"] == "extra_forbidden" else field
+            message = f"invalid value for '{where}': {message}"
         raise APIError(400, message, param=field) from None

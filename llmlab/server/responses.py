@@ -1,9 +1,12 @@
 """How an answer goes back: OpenAI's response objects, sent as a stream of server-sent
 events or as one JSON object at the end.
 
-Both ways read a `RequestStream` (`async_engine.py`). Per output they touch only what is new
-(`delta_text`), never the cumulative text, so a 4,096-token stream costs the same per
-token at its end as at its start (`tests/test_server_stream_cost.py` counts it).
+Both ways read a `RequestGroup` (`async_engine.py`: the engine requests of one API request,
+one per choice) and turn its outputs into choices with `choices.py`. A stream sends a chunk
+per new piece of a choice (one choice per chunk, with its `index`, as OpenAI and vLLM do);
+per output it touches only what is new (`delta_text`, `delta_token_ids`, `delta_logprobs`),
+never the cumulative text, so a 4,096-token stream costs the same per token at its end as at
+its start (`tests/server/test_server_stream_cost.py` counts it).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from llmlab.server.protocol import APIError
 
 if TYPE_CHECKING:
     from llmlab.request import RequestOutput
-    from llmlab.server.async_engine import RequestStream
+    from llmlab.server.request_group import RequestGroup
 
 
 # ---- response bodies (field names and shapes as in the OpenAI API reference) ----------
@@ -44,7 +47,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None     # {tokens, token_logprobs, top_logprobs, text_offset} (logprobs.py)
     finish_reason: str | None = None
 
 
@@ -66,7 +69,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict | None = None     # {"content": [{token, logprob, bytes, top_logprobs}]} (logprobs.py)
     finish_reason: str | None = None
 
 
@@ -91,7 +94,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
 
 
@@ -126,12 +129,6 @@ def now() -> int:
 
 
 # ---- sending them -------------------------------------------------------------------------
-def usage_of(stream: RequestStream, output: RequestOutput) -> Usage:
-    # num_tokens_seen (the engine thread's count of delivered tokens), not len(output.token_ids),
-    # which would copy the whole output
-    return Usage.of(len(stream.prompt_token_ids), stream.num_tokens_seen, output.num_cached_prompt_tokens)
-
-
 def sse(obj) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
 
@@ -148,59 +145,60 @@ def as_api_error(err: Exception) -> APIError:
     return APIError(500, "internal server error", type="server_error")
 
 
-def event_stream(stream: RequestStream, chunk: Callable, include_usage: bool, first_chunk,
-                 on_error: Callable[[int], None]):
-    """Server-sent events: a chunk per new piece of text, the finish reason on the last one,
-    usage if asked (`stream_options.include_usage`), then [DONE]. `chunk(text, finish_reason,
-    usage=None, choices=True)` builds one chunk object. An error after the headers went out
-    (the engine failed, the server is shutting down) is sent as OpenAI's error object in
-    an event, then [DONE]: the client sees why, and the stream still ends properly. A client
-    that disconnects cancels this generator (Starlette listens for the disconnect), which
-    aborts the request."""
+def event_stream(group: RequestGroup, choices, include_usage: bool, on_error: Callable[[int], None]):
+    """Server-sent events: the opening chunks (chat: each choice's role), a chunk per new
+    piece of a choice, its finish reason on its last one, usage if asked
+    (`stream_options.include_usage`), then [DONE]. An error after the headers went out (the
+    engine failed, the server is shutting down) is sent as OpenAI's error object in an event,
+    then [DONE]: the client sees why, and the stream still ends properly. A client that
+    disconnects cancels this generator (Starlette listens for the disconnect), which aborts
+    every choice still running. `choices`: a choices.py `Choices` (its `opening()`,
+    `chunk(stream, output)` and `usage_chunk()` build the chunks)."""
     from fastapi.responses import StreamingResponse
 
     async def events():
-        if first_chunk is not None:
-            yield sse(first_chunk)
-        output = None
         try:
-            async for output in stream.outputs():   # O(1) per token: only the new text is touched
-                if output.delta_text or output.finished:
-                    yield sse(chunk(output.delta_text, output.finish_reason if output.finished else None))
+            for chunk in choices.opening():
+                yield sse(chunk)
+            async for stream, output in group.outputs():   # O(1) per token: only the new text is touched
+                chunk = choices.chunk(stream, output)
+                if chunk is not None:
+                    yield sse(chunk)
         except Exception as err:    # headers are sent: the error goes in the stream
             error = as_api_error(err)
             on_error(error.status)
             yield sse_error(error)
         else:
             if include_usage:
-                yield sse(chunk("", None, usage=usage_of(stream, output), choices=False))
+                yield sse(choices.usage_chunk())
         finally:    # also when the client disconnected and this generator was cancelled
-            stream.close()
+            group.close()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def wait_for_last(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The final output of a non-streaming request, or None if the client hung up first
-    (then the request is aborted: nobody would read its answer). An error ending the
-    request (e.g. the 503 of a shutdown) is raised."""
-    async def last():
-        output = None
-        async for output in stream.outputs():
-            pass
-        return output
+async def wait_for_all(group: RequestGroup, request: Request) -> dict[int, RequestOutput] | None:
+    """Each choice's final output (by index) of a non-streaming request, or None if the client
+    hung up first (then every choice is aborted: nobody would read the answer). An error
+    ending the request (e.g. the 503 of a shutdown) is raised."""
+    async def finals():
+        found = {}
+        async for stream, output in group.outputs():
+            if output.finished:
+                found[stream.index] = output
+        return found
 
     async def hang_up():
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    result, disconnect = asyncio.ensure_future(last()), asyncio.ensure_future(hang_up())
+    result, disconnect = asyncio.ensure_future(finals()), asyncio.ensure_future(hang_up())
     try:
         done, _ = await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (result, disconnect):
             task.cancel()     # no-op when done
-        stream.close()
+        group.close()
     return result.result() if result in done else None

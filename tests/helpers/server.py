@@ -70,6 +70,19 @@ def running(app, timeout: float = 60):
         thread.join(timeout=30)
 
 
+def assert_idle(app, timeout: float = 30) -> None:
+    """Wait until the app's engine runs nothing and every KV block is free (the engine thread
+    refreshes `kv_stats` after each step); fail after `timeout` seconds."""
+    async_engine, deadline = app.state.async_engine, time.monotonic() + timeout
+    while True:
+        stats = async_engine.kv_stats
+        if (async_engine.num_unfinished == 0 and stats["free_device_blocks"] == stats["total_device_blocks"]
+                and stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0):
+            return
+        assert time.monotonic() < deadline, f"still running, or KV blocks not freed: {stats}"
+        time.sleep(0.05)
+
+
 def metrics(url: str) -> dict[str, float]:
     """/metrics as {'name{labels}': value}."""
     text = httpx.get(f"{url}/metrics").text
