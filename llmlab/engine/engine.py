@@ -43,6 +43,7 @@ class LLMEngine:
     kv_cache = property(lambda self: self.runner.kv_cache, doc="the KVCache: device and host blocks")
     executor = property(lambda self: self.runner.executor, doc="the parallel ranks' executor, or None")
     max_model_len = property(lambda self: self.runner.max_model_len, doc="the longest prompt + output")
+    kv_cache_tokens = property(lambda self: self.runner.kv_cache_tokens, doc="tokens the device KV cache holds")
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs):

@@ -173,27 +173,15 @@ def main(args) -> None:
     start = time.perf_counter()
     print(f"loading {config.model or 'the embedded ' + EMBEDDED_MODEL_NAME} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(config, policy=policy)
-    print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}", file=sys.stderr, flush=True)
-    check_max_model_len(config, engine)
+    print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}: max_model_len "
+          f"{engine.max_model_len} (model context {engine.model_config.context_length}), KV cache "
+          f"{engine.kv_cache_tokens} tokens", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)
     app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
     limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
     serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
-
-
-def check_max_model_len(config, engine) -> None:
-    """A --max-model-len the engine cannot give is an error at start-up (as in vLLM), not a
-    silent clamp that surfaces later as refused or cut-short requests."""
-    if config.max_model_len is None or config.max_model_len <= engine.max_model_len:
-        return
-    kv_tokens = engine.kv_stats()["total_device_blocks"] * config.block_size
-    raise ValueError(
-        f"--max-model-len {config.max_model_len} is more than this engine can hold: "
-        f"{engine.max_model_len} tokens (model context {engine.model_config.max_position_embeddings}, "
-        f"KV cache {kv_tokens} tokens). Lower --max-model-len, or give the KV cache more memory "
-        f"(--gpu-memory-utilization, --cpu-kv-cache-gib, --num-gpu-blocks)")
 
 
 def serve(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",

@@ -42,7 +42,7 @@ class CharTokenizer:
 
 
 def tiny_engine(**config) -> LLMEngine:
-    config = {**dict(model="tiny-random", num_gpu_blocks=1024, max_model_len=8192), **config}
+    config = {**dict(model="tiny-random", num_gpu_blocks=1024), **config}   # max_model_len: the model's 8,192
     return cpu_engine(tiny_model(seed=0, config=LONG_CONTEXT), CharTokenizer(), **config)
 
 
