@@ -11,8 +11,7 @@ import sys
 import pytest
 
 import llmlab
-from helpers.engine import cpu_engine, run_all, tiny_config, tiny_model
-from llmlab import SamplingParams
+from helpers.engine import cpu_engine, tiny_config, tiny_model
 
 # the tiny model's context: max_position_embeddings 512 (helpers.engine.TINY_HF_CONFIG)
 CONTEXT = 512
@@ -30,11 +29,7 @@ def test_past_the_model_context_is_refused_with_both_numbers(max_model_len):
     with pytest.raises(ValueError, match=rf"max_model_len is {max_model_len}, more than the model's context of "
                                          rf"{CONTEXT} tokens \(max_position_embeddings"):
         engine(max_model_len=max_model_len)
-
-
-def test_the_model_context_itself_is_accepted():
-    assert engine(max_model_len=CONTEXT).max_model_len == CONTEXT
-    assert engine().max_model_len == CONTEXT
+    assert engine(max_model_len=CONTEXT).max_model_len == CONTEXT      # the context itself is fine
 
 
 def test_llama3_rope_scaling_is_already_counted_in_max_position_embeddings():
@@ -64,13 +59,6 @@ def test_past_the_kv_cache_is_refused_and_its_size_is_reported_apart():
         engine(num_gpu_blocks=8, max_model_len=256)
     roomy = engine(num_gpu_blocks=64)
     assert roomy.max_model_len == CONTEXT and roomy.kv_cache_tokens == 1024   # not the KV size
-
-
-def test_no_token_past_the_context():
-    """A prompt one short of max_model_len gets one token, finished by "length"."""
-    e = engine(max_model_len=CONTEXT)
-    out = run_all(e, [[5] * (CONTEXT - 1)], SamplingParams(max_tokens=50, ignore_eos=True))[0]
-    assert len(out.token_ids) == 1 and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("max_model_len", [8400, 100_000])
