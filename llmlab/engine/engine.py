@@ -84,6 +84,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()    # again: its fields may have been changed since it was built
         if params.n != 1:    # LLM.generate and the server fan n out (SamplingParams.fan_out)
             raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first (SamplingParams.fan_out)")
         token_ids, text = self.tokenize(prompt)
