@@ -104,11 +104,18 @@ class LLM:
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
-        """Like generate, for conversations (lists of {"role", "content"} messages) rendered
-        with the model's chat template (by the engine: LLMEngine.tokenize). A single
-        conversation may be passed bare."""
-        if conversations and isinstance(conversations[0], dict):
+        """Like generate, for a conversation (a list of {"role", "content"} messages; content a
+        string or OpenAI's text parts) or a list of conversations, rendered with the model's
+        chat template (by the engine: LLMEngine.tokenize). One RequestOutput per conversation."""
+        def is_conversation(x) -> bool:
+            return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) for m in x)
+
+        if is_conversation(conversations):
             conversations = [conversations]
+        if not (isinstance(conversations, (list, tuple)) and all(is_conversation(c) for c in conversations)):
+            # (a string would be one conversation per character, a dict a KeyError)
+            raise ValueError('chat takes a conversation (a list of {"role", "content"} messages) or a list of '
+                             f"conversations, got {conversations!r:.200}")
         return self.generate(list(conversations), params, use_tqdm)
 
     def throughput(self, prompts, params: SamplingParams) -> tuple[list[RequestOutput], float]:

@@ -23,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from llmlab.model.tokenizer import template_message
 from llmlab.sampling import SamplingParams
 
 
@@ -231,9 +232,9 @@ class ChatMessage(BaseModel):
         return self
 
     def as_template_message(self) -> dict:
-        """{"role", "content"} as chat templates expect it (text parts joined)."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """{"role", "content"} as chat templates expect it (text parts joined: the tokenizer's
+        `template_message`, which LLM.chat's messages go through too)."""
+        return template_message(self.model_dump(include={"role", "content"}))
 
 
 class ChatCompletionRequest(SamplingFields):
