@@ -40,6 +40,11 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def shutting_down() -> APIError:
+    """What a request gets that the server will not run because it is going away."""
+    return APIError(503, "the server is shutting down; retry on another replica or later", type="server_error")
+
+
 # OpenAI fields this server does not implement, accepted only at their "off" value (or
 # null), so a client that relies on one gets a clear 400 instead of different behaviour.
 # `()`: no value is off.

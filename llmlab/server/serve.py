@@ -7,7 +7,8 @@
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
 event and `[DONE]` and every waiting non-streaming request with a 503 (OpenAI's error
-format), and exits with status 0. A second Ctrl-C quits at once.
+format), and exits with status 0. A request whose body is still arriving then gets a 503
+with Retry-After. A second Ctrl-C quits at once, with status 130.
 
 Every option is checked as it is parsed (argparse `type=` functions), so a value that
 could not work is one error line and exit status 2 before the model loads, not a
@@ -27,7 +28,7 @@ import time
 
 import uvicorn
 
-from llmlab.server.connections import ConnectionLimits, protocol_for
+from llmlab.server.connections import ConnectionLimits, LimitedH11Protocol, protocol_for
 
 SHUTDOWN_TIMEOUT = 5.0         # seconds running requests get to finish on SIGTERM
 # after the grace period every request ends within a step; this long more and uvicorn
@@ -213,9 +214,30 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets=None):
         # uvicorn's shutdown closes the listening sockets at once (no new connections), then
         # waits for the open ones: those close as the drain lets their requests end
-        drain = asyncio.ensure_future(self.async_engine.drain(self.shutdown_timeout))
+        drain = asyncio.ensure_future(self.drain())
         await super().shutdown(sockets)
         drain.cancel()
+
+    async def drain(self) -> None:
+        """The grace period for running requests, then the engine ends the rest; a request
+        still arriving then gets a 503 too (connections.py: no handler could answer it)."""
+        await self.async_engine.drain(self.shutdown_timeout)
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, LimitedH11Protocol):
+                connection.refuse_arriving_request()
+
+    def handle_exit(self, sig, frame) -> None:
+        """A signal (SIGINT or SIGTERM) starts the graceful shutdown; a Ctrl-C while it runs
+        quits at once. Without waiting for anything: the process ends here, as its state is
+        (uvicorn's own force-exit returns from a shutdown that left the engine thread inside
+        a step, and the C++ runtime aborted as Python exited under it). Status 130, as a
+        shell reports a program a Ctrl-C stopped."""
+        if sig == signal.SIGINT and self.should_exit:
+            print("llmlab serve: second Ctrl-C: quitting now, without waiting for running requests",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signal.SIGINT)
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
