@@ -5,7 +5,8 @@ At start-up, in this order:
   distribute  tensor parallelism: the model cut into shards, one per rank (parallel/executor.py)
   prepack     on a CPU, each weight in oneDNN's blocked layout (kernels.prepack, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
-  KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
+  KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for), and
+              max_model_len within the model's context and the cache (max_model_len_for)
 Then the engine's warm-up (warm_up.py: everything compiled or captured at start-up) makes
 the decode CUDA graphs (`make_decode_graphs`) and runs throwaway batches through `execute`.
 Then every step: `swap` (block copies of the plan), `prepare_step` (batch.py: the flat
