@@ -64,6 +64,10 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in params:   # before n is read: a field set since construction (n = "3") is a ValueError here too
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params must be a SamplingParams or a list of them, got {type(p).__name__}")
+            p.validate()
         # n completions of a prompt: n requests, next to each other in the results
         prompts, params = zip(*[(prompt, one) for prompt, p in zip(prompts, params) for one in p.fan_out()]) \
             if any(p.n > 1 for p in params) else (prompts, params)

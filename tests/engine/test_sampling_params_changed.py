@@ -13,7 +13,7 @@ from llmlab import SamplingParams
 
 BAD = [("temperature", -1), ("temperature", math.nan), ("top_p", 5), ("top_k", 0), ("min_p", 2),
        ("stop_token_ids", [-1]), ("max_tokens", -3), ("max_tokens", 0), ("max_tokens", "8"), ("seed", 2**70),
-       ("stop", [""]), ("stop", 5), ("ignore_eos", "yes")]
+       ("stop", [""]), ("stop", 5), ("ignore_eos", "yes"), ("n", 0), ("logprobs", 21), ("prompt_logprobs", -1)]
 
 
 def changed(field: str, value) -> SamplingParams:
@@ -38,7 +38,8 @@ def test_add_request_refuses_what_the_constructor_refuses(engine, field, value):
     assert run_all(engine, ["Hi"], SamplingParams(max_tokens=2))[0].finished     # still serving
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1), ("max_tokens", "8"), ("seed", 2**70)])
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("max_tokens", "8"), ("seed", 2**70), ("n", "3"),
+                                          ("logprobs", -1)])
 def test_generate_refuses_it_and_rolls_back_the_batch(llm, field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
         llm.generate(["a fine prompt", "Hello"], [SamplingParams(max_tokens=2), changed(field, value)])
