@@ -26,7 +26,7 @@ class EngineConfig:
     swap_space: float = 0.5             # GiB of host KV blocks for preemption by swap
     max_num_seqs: int = 64              # requests running at once (a step's batch)
     max_num_batched_tokens: int | None = None   # tokens per step; None = 2048 on a GPU, 512 on a CPU
-    max_model_len: int | None = None    # None = the model's context length
+    max_model_len: int | None = None    # None = the model's context length (or what the KV cache holds, if less); more than either is refused
     async_scheduling: bool | None = None   # overlap: schedule and prepare step N+1 while the device runs step N; None = on for CUDA, off on a CPU
     enable_chunked_prefill: bool = True # long prompts run in chunks beside decodes (SARATHI)
     long_prefill_token_threshold: int = 0   # most prompt tokens one request takes per step (0 = no cap); `llmlab serve` uses 64 on a CPU
@@ -154,6 +154,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None    # Mistral-style local attention; llmlab caps the context at it
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, capped at a sliding
+        window (llmlab's full attention equals the model's only within it). A llama3 rope
+        scaling (the only kind llmlab loads) is already counted in max_position_embeddings:
+        Llama 3.1 says 131,072 with factor 8 over the original 8,192. The factor stretches the
+        rotary frequencies to reach it and is not applied again (as in HF and vLLM)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    def context_source(self) -> str:
+        """What sets context_length, in words (for error messages)."""
+        if self.context_length < self.max_position_embeddings:
+            return (f"its sliding window; max_position_embeddings is {self.max_position_embeddings}, but llmlab "
+                    f"runs full attention, which equals the model's only within the window")
+        if self.rope_scaling is not None:
+            return "max_position_embeddings, which already counts its llama3 rope scaling"
+        return "max_position_embeddings in its config.json"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":

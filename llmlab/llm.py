@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 
 from tqdm.auto import tqdm
@@ -13,6 +14,14 @@ from llmlab.sampling import SamplingParams
 
 
 class LLM:
+    """Offline generation: `generate` and `chat` run prompts to completion on one engine.
+
+    Thread-safe: several threads may call `generate` / `chat` on one LLM at once. A lock
+    lets one thread at a time add requests or run a step; the threads' requests share the
+    engine's steps (batched together), and each call returns the outputs of its own
+    prompts, whichever thread's step finished them. `llm.engine` itself is not thread-safe:
+    drive it by hand from one thread only (as the server's engine thread does)."""
+
     def __init__(self, model: str | None = None, **engine_args):
         """`model`: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         Other keyword arguments are EngineConfig fields (dtype, backend, block_size, ...)."""
@@ -20,15 +29,22 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; "
                              f"EngineConfig has {EngineConfig.field_names()}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(LLMEngine(EngineConfig(model=model, **engine_args)))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         """Wrap an engine built by hand (e.g. random weights for benchmarks)."""
         llm = cls.__new__(cls)
-        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        llm._attach(engine)
         return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self._lock = threading.Lock()     # held to add requests, run a step, or abort
+        # finished outputs of requests that some call is waiting for, collected by whichever
+        # thread ran the step that finished them; each call takes its own out
+        self._waited_for: set[str] = set()
+        self._finished: dict[str, RequestOutput] = {}
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -48,40 +64,62 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in params:   # before n is read: a field set since construction (n = "3") is a ValueError here too
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params must be a SamplingParams or a list of them, got {type(p).__name__}")
+            p.validate()
         # n completions of a prompt: n requests, next to each other in the results
         prompts, params = zip(*[(prompt, one) for prompt, p in zip(prompts, params) for one in p.fan_out()]) \
             if any(p.n > 1 for p in params) else (prompts, params)
         engine = self.engine
         ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
-        except BaseException:   # a bad prompt (or a Ctrl-C) halfway: leave the engine as we found it
-            for rid in ids:
-                engine.abort(rid)
-            raise
+        with self._lock:
+            try:
+                for prompt, p in zip(prompts, params):
+                    ids.append(engine.add_request(prompt, p))
+            except BaseException:   # a bad prompt (or a Ctrl-C) halfway: leave the engine as we found it
+                for rid in ids:
+                    engine.abort(rid)
+                raise
+            self._waited_for.update(ids)
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         try:
             while len(results) < len(ids):
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
+                with self._lock:
+                    # finished in another thread's step, or in the step this thread ran
+                    for rid in wanted & self._finished.keys():
+                        results[rid] = self._finished.pop(rid)
                         bar.update(1)
+                    if len(results) == len(ids):
+                        break
+                    for out in engine.step():
+                        if out.finished and out.request_id in self._waited_for:
+                            self._finished[out.request_id] = out
         finally:
             bar.close()
-            for rid in wanted - set(results):   # interrupted: don't leave work behind
-                engine.abort(rid)
+            with self._lock:
+                for rid in wanted - set(results):   # interrupted: don't leave work behind
+                    engine.abort(rid)
+                    self._finished.pop(rid, None)
+                self._waited_for -= wanted
         return [results[rid] for rid in ids]
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
-        """Like generate, for conversations (lists of {"role", "content"} messages) rendered
-        with the model's chat template (by the engine: LLMEngine.tokenize). A single
-        conversation may be passed bare."""
-        if conversations and isinstance(conversations[0], dict):
+        """Like generate, for a conversation (a list of {"role", "content"} messages; content a
+        string or OpenAI's text parts) or a list of conversations, rendered with the model's
+        chat template (by the engine: LLMEngine.tokenize). One RequestOutput per conversation."""
+        def is_conversation(x) -> bool:
+            return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) for m in x)
+
+        if is_conversation(conversations):
             conversations = [conversations]
+        if not (isinstance(conversations, (list, tuple)) and all(is_conversation(c) for c in conversations)):
+            # (a string would be one conversation per character, a dict a KeyError)
+            raise ValueError('chat takes a conversation (a list of {"role", "content"} messages) or a list of '
+                             f"conversations, got {conversations!r:.200}")
         return self.generate(list(conversations), params, use_tqdm)
 
     def throughput(self, prompts, params: SamplingParams) -> tuple[list[RequestOutput], float]:

@@ -29,6 +29,14 @@ class SamplingParams:
     n: int = 1     # completions of the prompt: n requests (`fan_out`) that share its cached blocks
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; a ValueError names the first bad one and what it must be. Run
+        when the params are built and again when a request is added (LLMEngine.add_request),
+        since a dataclass's fields may be set at any time. A bare string `stop` becomes a
+        one-element list (OpenAI takes either), and None lists empty ones. Every rule lives
+        here: a new field adds its check to this method."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):   # (a bare string or id would iterate oddly, or not at all)

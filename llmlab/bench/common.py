@@ -184,8 +184,9 @@ def random_engine_config(args, num_gpu_blocks=None, max_num_seqs=256, max_num_ba
     in `args` and keeps the default here."""
     from llmlab import EngineConfig
 
+    # (max_model_len left None: the shape's 8,192 positions, or what a small --num-gpu-blocks holds)
     fields = dict(model="random-llama3-8b", num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192,
+                  max_num_batched_tokens=max_num_batched_tokens,
                   tensor_parallel_size=getattr(args, "tp", None) or 1,
                   enforce_eager=bool(getattr(args, "enforce_eager", None)))
     fields.update({k: v for k, v in (engine_args or {}).items() if k != "model"})

@@ -3,7 +3,7 @@ over a grid of (batch size, sequence length), llmlab against HF transformers (sd
 the same process; random bf16 weights in the Llama-3-8B shape unless --model is given."""
 from __future__ import annotations
 
-from llmlab.bench.common import median_ms, random_engine, random_hf_model, write_json
+from llmlab.bench.common import LLAMA3_8B, median_ms, random_engine, random_hf_model, write_json
 
 
 def add_arguments(parser) -> None:
@@ -38,12 +38,25 @@ def _profile(fn, title) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+def check_seq_len(seq_len: int, max_model_len: int) -> None:
+    """A cell's prefill has seq_len tokens and its decode step a context of seq_len + 1: both
+    must fit max_model_len (a longer one overruns the block tables: the CUDA graphs' copy
+    failed on 513 blocks of 512). ValueError otherwise, before any batch is built."""
+    if seq_len < 1:
+        raise ValueError(f"--seq-lens {seq_len} is too short: a sequence has at least 1 token")
+    if seq_len >= max_model_len:
+        raise ValueError(f"--seq-lens {seq_len} is too long: each cell also runs a decode step after the "
+                         f"{seq_len}-token prompt, at context {seq_len + 1}, and the engine holds at most "
+                         f"{max_model_len} tokens (max_model_len); use --seq-lens up to {max_model_len - 1}")
+
+
 def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
     """(prefill ms, decode ms) for one forward: `batch_size` prompts of `seq_len` tokens,
     then one decode step of those sequences after seq_len cached tokens (graph replay when
     captured). The batches are dummy plans (batch.dummy_plan) over an unused cache."""
     from llmlab.engine.batch import dummy_plan
 
+    check_seq_len(seq_len, engine.max_model_len)
     runner, block_size = engine.runner, engine.config.block_size
     prefill_ms = None
     if do_prefill:
@@ -80,10 +93,16 @@ def hf_cells(model, batch_size, seq_len, do_prefill, vocab):
 def main(args) -> list[dict]:
     import torch
 
-    if not torch.cuda.is_available():
-        raise ValueError("single-forward times GPU forwards; it needs a CUDA device")
+    from llmlab.config import ModelConfig
+
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    # before the CUDA check and the minutes of building 8B random weights (llmlab_cells checks
+    # each cell again against the engine built)
+    for seq_len in seq_lens:
+        check_seq_len(seq_len, ModelConfig.from_hf(LLAMA3_8B).context_length)
+    if not torch.cuda.is_available():
+        raise ValueError("single-forward times GPU forwards; it needs a CUDA device")
     max_tokens = max(b * s for b in batch_sizes for s in seq_lens) + max(batch_sizes)
     block_size = 16
     llm, hf_config = random_engine(args, num_gpu_blocks=max_tokens // block_size + 2 * max(batch_sizes) + 8,

@@ -43,6 +43,7 @@ class LLMEngine:
     kv_cache = property(lambda self: self.runner.kv_cache, doc="the KVCache: device and host blocks")
     executor = property(lambda self: self.runner.executor, doc="the parallel ranks' executor, or None")
     max_model_len = property(lambda self: self.runner.max_model_len, doc="the longest prompt + output")
+    kv_cache_tokens = property(lambda self: self.runner.kv_cache_tokens, doc="tokens the device KV cache holds")
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs):
@@ -83,6 +84,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()    # again: its fields may have been changed since it was built
         if params.n != 1:    # LLM.generate and the server fan n out (SamplingParams.fan_out)
             raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first (SamplingParams.fan_out)")
         token_ids, text = self.tokenize(prompt)

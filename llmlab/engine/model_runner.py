@@ -5,7 +5,8 @@ At start-up, in this order:
   distribute  tensor parallelism: the model cut into shards, one per rank (parallel/executor.py)
   prepack     on a CPU, each weight in oneDNN's blocked layout (kernels.prepack, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
-  KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for)
+  KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for), and
+              max_model_len within the model's context and the cache (max_model_len_for)
 Then the engine's warm-up (warm_up.py: everything compiled or captured at start-up) makes
 the decode CUDA graphs (`make_decode_graphs`) and runs throwaway batches through `execute`.
 Then every step: `swap` (block copies of the plan), `prepare_step` (batch.py: the flat
@@ -36,8 +37,35 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     from llmlab.model.loader import iter_weights, load_config, resolve_model
 
     folder = resolve_model(config.model)
+    model_config = load_config(folder)
+    check_context(config, model_config)   # before the weights: a bad value fails in a second, not after the load
     load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
-    return LlamaModel.from_state_dict(load_config(folder), iter_weights(folder), dtype, load_device), folder
+    return LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device), folder
+
+
+def check_context(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A max_model_len past the model's context is refused with both numbers (as vLLM does):
+    positions past it were never trained, so the text there would be garbage, not an error."""
+    if config.max_model_len is not None and config.max_model_len > model_config.context_length:
+        raise ValueError(f"EngineConfig.max_model_len is {config.max_model_len}, more than the model's context of "
+                         f"{model_config.context_length} tokens ({model_config.context_source()}); lower it, or "
+                         f"leave it None for the model's context")
+
+
+def max_model_len_for(config: EngineConfig, model_config: ModelConfig, kv_cache_tokens: int) -> int:
+    """The longest prompt + output the engine runs: config.max_model_len, or None = the
+    model's context, or what the KV cache holds if less (a sequence needs all its blocks on
+    the device at once). An asked-for length the KV cache cannot hold is refused: a silent
+    cap would surface later as refused or cut-short requests."""
+    check_context(config, model_config)
+    if config.max_model_len is None:
+        return min(model_config.context_length, kv_cache_tokens)
+    if config.max_model_len > kv_cache_tokens:
+        raise ValueError(
+            f"EngineConfig.max_model_len is {config.max_model_len}, more than the KV cache holds: {kv_cache_tokens} "
+            f"tokens ({kv_cache_tokens // config.block_size} blocks of {config.block_size}); lower it, or give "
+            f"the KV cache more memory (gpu_memory_utilization, cpu_kv_cache_gib or num_gpu_blocks)")
+    return config.max_model_len
 
 
 def folder_tokenizer(folder) -> Tokenizer | None:
@@ -97,12 +125,15 @@ class ModelRunner:
         weights_bytes = model.num_parameters() * model.embed.element_size()
         self.num_device_blocks, self.num_host_blocks = num_blocks_for(
             config, self.model_config, self.dtype, self.device, weights_bytes, self.profile_activation_bytes())
+        self.kv_cache_tokens = self.num_device_blocks * self.block_size   # reported beside max_model_len
+        try:
+            self.max_model_len = max_model_len_for(config, self.model_config, self.kv_cache_tokens)
+        except ValueError:
+            if self.executor is not None:   # the workers started already
+                self.executor.shutdown()
+            raise
         self.kv_cache = KVCache(self.model_config, self.num_device_blocks, self.num_host_blocks, self.block_size,
                                 kv_cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
-        # full attention equals sliding-window attention only within the window
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.sliding_window or 1 << 62,
-                                 self.num_device_blocks * self.block_size)
 
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.buffers = InputBuffers(self.device, self.max_blocks_per_seq)   # every step's inputs

@@ -107,10 +107,28 @@ def _byte_of_char() -> dict[str, int]:
 BYTE_OF_CHAR = _byte_of_char()
 
 
+def template_message(message: dict) -> dict:
+    """A chat message as chat templates take it: its content one string. OpenAI's content
+    parts (`[{"type": "text", "text": ...}, ...]`) are joined, a null content (an assistant
+    turn that only called tools) is "", and "developer" (OpenAI's newer name for the
+    system role) is "system". The server's messages and LLM.chat's both come through here."""
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        content = "".join(part["text"] for part in content)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ValueError('chat message content must be a string or a list of {"type": "text", "text": ...} parts '
+                         f"(the only kind this model reads), got {content!r:.200}")
+    role = message.get("role")
+    return {**message, "role": "system" if role == "developer" else role, "content": content}
+
+
 def tokenize_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[list[int], str | None]:
     """(token ids, prompt text) of a prompt: a string (encoded), token ids (kept as they
-    are) or chat messages, a list of {"role", "content"} dicts (rendered with the model's
-    chat template, then encoded). The text is the string given, else None. Without a
+    are) or chat messages, a list of {"role", "content"} dicts (content a string or OpenAI's
+    text parts: `template_message`; rendered with the model's chat template, then encoded). The text is the string given, else None. Without a
     tokenizer only token ids are a prompt. (LLMEngine.tokenize, the one place prompts
     become tokens, calls this.)"""
     if hasattr(prompt, "tolist") and not isinstance(prompt, str):   # a tensor or array of token ids
@@ -131,8 +149,9 @@ def tokenize_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[list[int], str
             raise ValueError(f"prompt cannot be encoded: {err}") from None
     from jinja2 import TemplateError   # chat templates are Jinja templates
 
+    messages = [template_message(m) for m in prompt]
     try:
-        return tokenizer.apply_chat_template(list(prompt)), None
+        return tokenizer.apply_chat_template(messages), None
     except TemplateError as err:   # e.g. a template that only allows alternating roles
         raise ValueError(f"chat template: {err}") from None
     except (TypeError, UnicodeError) as err:   # e.g. a content that is no string

@@ -36,16 +36,11 @@ from llmlab.engine.engine import LLMEngine
 from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams
 from llmlab.server.metrics import ServerMetrics
-from llmlab.server.protocol import APIError
+from llmlab.server.protocol import APIError, shutting_down
 from llmlab.server.request_group import RefusedRequest, RequestGroup, RequestStream
 from llmlab.server.tokenizer_threads import TokenizerLanes
 
 logger = logging.getLogger("llmlab.server")
-
-
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; retry on another replica or later",
-                    type="server_error")
 
 
 def engine_failed() -> APIError:    # the details go to the log, not to the client

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from llmlab.server.protocol import APIError
+from llmlab.server.protocol import APIError, shutting_down
 
 logger = logging.getLogger("llmlab.server")
 
@@ -77,12 +77,27 @@ class LimitedH11Protocol(H11Protocol):
         self.read_deadline = None
         if self.transport.is_closing():
             return
-        arriving = self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
-        answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
-        if arriving and not answering:
+        if self.request_arriving():
             # written past h11's bookkeeping: the connection closes right after
             self.transport.write(REQUEST_TIMEOUT_RESPONSE)
         self.transport.close()    # (a handler still reading the body sees a disconnect)
+
+    def refuse_arriving_request(self) -> None:
+        """Shutdown, once the grace period is over: a request still arriving gets a 503 with
+        Retry-After and the connection closes. Its handler, if its headers are in, waits for
+        the body and can answer nothing; left alone, uvicorn's backstop would cancel it,
+        which uvicorn answers with a 500. Connections with no request arriving are left to
+        uvicorn's shutdown (running requests end with the engine's own 503)."""
+        if not self.transport.is_closing() and self.request_arriving():
+            self.transport.write(SHUTTING_DOWN_RESPONSE)
+            self.transport.close()    # (its handler sees a disconnect)
+
+    def request_arriving(self) -> bool:
+        """Part of a request is in, not all of it (h11: bytes of a request line or headers
+        buffered, or the body arriving), and nothing has been answered on the connection."""
+        arriving = self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
+        answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        return arriving and not answering
 
     def cancel_read_deadline(self) -> None:
         if self.read_deadline is not None:
@@ -94,11 +109,18 @@ class LimitedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
-_TIMEOUT_BODY = json.dumps(APIError(
+def raw_response(error: APIError, reason: str, headers: bytes = b"") -> bytes:
+    """An error as the bytes of a whole HTTP/1.1 response that closes the connection, for a
+    connection on which no handler can answer."""
+    body = json.dumps(error.body()).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close"
+            b"\r\n\r\n%s" % (error.status, reason.encode(), len(body), headers, body))
+
+
+REQUEST_TIMEOUT_RESPONSE = raw_response(APIError(
     408, "the request did not arrive in time: its headers and body must arrive within the server's read "
-         "timeout (--timeout-read)", code="request_timeout").body()).encode()
-REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+         "timeout (--timeout-read)", code="request_timeout"), "Request Timeout")
+SHUTTING_DOWN_RESPONSE = raw_response(shutting_down(), "Service Unavailable", b"retry-after: 1\r\n")
 
 
 def too_many_connections(limit: int):

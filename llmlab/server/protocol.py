@@ -29,6 +29,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from llmlab.model.tokenizer import template_message
 from llmlab.sampling import SamplingParams
 
 
@@ -43,6 +44,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def shutting_down() -> APIError:
+    """What a request gets that the server will not run because it is going away."""
+    return APIError(503, "the server is shutting down; retry on another replica or later", type="server_error")
 
 
 # OpenAI fields this server does not implement, accepted only at their "off" value (or
@@ -289,9 +295,9 @@ class ChatMessage(BaseModel):
         return self
 
     def as_template_message(self) -> dict:
-        """{"role", "content"} as chat templates expect it (text parts joined)."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """{"role", "content"} as chat templates expect it (text parts joined: the tokenizer's
+        `template_message`, which LLM.chat's messages go through too)."""
+        return template_message(self.model_dump(include={"role", "content"}))
 
 
 class ChatCompletionRequest(SamplingFields):

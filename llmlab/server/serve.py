@@ -7,7 +7,8 @@
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
 event and `[DONE]` and every waiting non-streaming request with a 503 (OpenAI's error
-format), and exits with status 0. A second Ctrl-C quits at once.
+format), and exits with status 0. A request whose body is still arriving then gets a 503
+with Retry-After. A second Ctrl-C quits at once, with status 130.
 
 Every option is checked as it is parsed (argparse `type=` functions), so a value that
 could not work is one error line and exit status 2 before the model loads, not a
@@ -27,7 +28,7 @@ import time
 
 import uvicorn
 
-from llmlab.server.connections import ConnectionLimits, protocol_for
+from llmlab.server.connections import ConnectionLimits, LimitedH11Protocol, protocol_for
 
 SHUTDOWN_TIMEOUT = 5.0         # seconds running requests get to finish on SIGTERM
 # after the grace period every request ends within a step; this long more and uvicorn
@@ -173,27 +174,15 @@ def main(args) -> None:
     start = time.perf_counter()
     print(f"loading {config.model or 'the embedded ' + EMBEDDED_MODEL_NAME} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(config, policy=policy)
-    print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}", file=sys.stderr, flush=True)
-    check_max_model_len(config, engine)
+    print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}: max_model_len "
+          f"{engine.max_model_len} (model context {engine.model_config.context_length}), KV cache "
+          f"{engine.kv_cache_tokens} tokens", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)
     app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
     limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
     serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
-
-
-def check_max_model_len(config, engine) -> None:
-    """A --max-model-len the engine cannot give is an error at start-up (as in vLLM), not a
-    silent clamp that surfaces later as refused or cut-short requests."""
-    if config.max_model_len is None or config.max_model_len <= engine.max_model_len:
-        return
-    kv_tokens = engine.kv_stats()["total_device_blocks"] * config.block_size
-    raise ValueError(
-        f"--max-model-len {config.max_model_len} is more than this engine can hold: "
-        f"{engine.max_model_len} tokens (model context {engine.model_config.max_position_embeddings}, "
-        f"KV cache {kv_tokens} tokens). Lower --max-model-len, or give the KV cache more memory "
-        f"(--gpu-memory-utilization, --cpu-kv-cache-gib, --num-gpu-blocks)")
 
 
 def serve(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
@@ -225,9 +214,30 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets=None):
         # uvicorn's shutdown closes the listening sockets at once (no new connections), then
         # waits for the open ones: those close as the drain lets their requests end
-        drain = asyncio.ensure_future(self.async_engine.drain(self.shutdown_timeout))
+        drain = asyncio.ensure_future(self.drain())
         await super().shutdown(sockets)
         drain.cancel()
+
+    async def drain(self) -> None:
+        """The grace period for running requests, then the engine ends the rest; a request
+        still arriving then gets a 503 too (connections.py: no handler could answer it)."""
+        await self.async_engine.drain(self.shutdown_timeout)
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, LimitedH11Protocol):
+                connection.refuse_arriving_request()
+
+    def handle_exit(self, sig, frame) -> None:
+        """A signal (SIGINT or SIGTERM) starts the graceful shutdown; a Ctrl-C while it runs
+        quits at once. Without waiting for anything: the process ends here, as its state is
+        (uvicorn's own force-exit returns from a shutdown that left the engine thread inside
+        a step, and the C++ runtime aborted as Python exited under it). Status 130, as a
+        shell reports a program a Ctrl-C stopped."""
+        if sig == signal.SIGINT and self.should_exit:
+            print("llmlab serve: second Ctrl-C: quitting now, without waiting for running requests",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signal.SIGINT)
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -42,7 +42,7 @@ class CharTokenizer:
 
 
 def tiny_engine(**config) -> LLMEngine:
-    config = {**dict(model="tiny-random", num_gpu_blocks=1024, max_model_len=8192), **config}
+    config = {**dict(model="tiny-random", num_gpu_blocks=1024), **config}   # max_model_len: the model's 8,192
     return cpu_engine(tiny_model(seed=0, config=LONG_CONTEXT), CharTokenizer(), **config)
 
 
@@ -94,6 +94,14 @@ def metrics(url: str) -> dict[str, float]:
 def serve_process(flags: list[str], log, env=None, timeout: float = 180):
     """`llmlab serve --port <free> *flags` in a process of its own, its output to `log` (an
     open file); yields its URL once /health answers, and stops it at the end."""
+    with serve_subprocess(flags, log, env, timeout) as (process, url):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
+    """The same, yielding (the process, its URL): for tests that signal the process
+    themselves. At the end it is stopped (SIGTERM, then SIGKILL) unless it has exited."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), *flags],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -109,9 +117,10 @@ def serve_process(flags: list[str], log, env=None, timeout: float = 180):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        yield url
+        yield process, url
     finally:
-        process.terminate()
+        if process.poll() is None:
+            process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -15,7 +15,6 @@ import pytest
 import llmlab
 from llmlab.plan import Plan
 from llmlab.server.app import create_app
-from llmlab.server.serve import check_max_model_len
 from helpers.server import metrics, running, tiny_engine
 
 
@@ -48,12 +47,10 @@ def test_an_empty_api_key_is_refused_at_start():
 
 
 def test_a_max_model_len_beyond_the_kv_cache_is_refused():
-    engine = tiny_engine(num_gpu_blocks=8, max_model_len=4096)    # 8 blocks x 16 tokens = 128
-    assert engine.max_model_len == 128
-    with pytest.raises(ValueError, match="--max-model-len 4096 is more than this engine can hold: 128"):
-        check_max_model_len(engine.config, engine)
-    fits = tiny_engine(max_model_len=1000)
-    check_max_model_len(fits.config, fits)
+    # (the engine refuses it, so `llmlab serve` does: tests/engine/test_max_model_len.py)
+    with pytest.raises(ValueError, match="max_model_len is 4096, more than the KV cache holds: 128 tokens"):
+        tiny_engine(num_gpu_blocks=8, max_model_len=4096)    # 8 blocks x 16 tokens = 128
+    assert tiny_engine(max_model_len=1000).max_model_len == 1000
 
 
 def test_prompts_are_tokenized_off_the_engine_thread():

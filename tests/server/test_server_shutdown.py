@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from helpers.server import free_port, metrics
+from helpers.server import metrics, serve_subprocess
 
 pytestmark = pytest.mark.slow     # a `llmlab serve` process of its own
 
@@ -24,30 +22,12 @@ GRACE = 5    # seconds; the short request needs well under one, the long ones mi
 
 @pytest.fixture
 def server_process(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w+")
-    env = {**os.environ, "LLMLAB_API_KEY": "k"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), "--shutdown-timeout", str(GRACE),
-         "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, "the server exited early"
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
-    yield process, url
-    if process.poll() is None:
-        process.kill()
-    process.wait()
-    log.seek(0)
-    print(log.read())    # shown when the test fails
+    log_path = tmp_path / "server.log"
+    flags = ["--shutdown-timeout", str(GRACE), "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512",
+             "--log-level", "warning"]
+    with open(log_path, "w") as log, serve_subprocess(flags, log, {**os.environ, "LLMLAB_API_KEY": "k"}) as started:
+        yield started
+    print(log_path.read_text())    # shown when the test fails
 
 
 class Stream(threading.Thread):

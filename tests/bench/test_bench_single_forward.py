@@ -1,0 +1,33 @@
+"""`llmlab bench single-forward` refuses a --seq-lens its model cannot hold (issue #34): a
+cell runs a prefill of seq_len tokens and then a decode step at context seq_len + 1, so
+seq_len must be below the model's context (8,192 for the Llama-3-8B shape). 8192 crashed on
+the GPU in the CUDA-graph block-table copy; now it is one line and exit status 2, before
+the CUDA check and the minutes it takes to build the random 8B weights."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.engine import assert_all_blocks_free, embedded_engine
+from llmlab import cli
+from llmlab.bench.single_forward import llmlab_cells
+
+
+@pytest.mark.parametrize("seq_lens, bad", [("8192", "8192"), ("512,9000", "9000"), ("0", "0")])
+def test_the_command_refuses_a_length_the_model_cannot_hold(capsys, seq_lens, bad):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "single-forward", "--seq-lens", seq_lens, "--batch-sizes", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"llmlab: error: --seq-lens {bad} "), err
+    if bad != "0":
+        assert "8191" in err      # the longest it takes
+
+
+def test_a_cell_is_checked_against_the_engine_before_its_batch_is_built(llm):
+    """The engine's own max_model_len binds too (here a small KV cache: 8 blocks, 128 tokens)."""
+    engine = embedded_engine(llm, num_gpu_blocks=8)
+    assert engine.max_model_len == 128
+    with pytest.raises(ValueError, match=r"--seq-lens 128 is too long: .* at most 128 tokens"):
+        llmlab_cells(engine, 1, 128, do_prefill=True)
+    assert_all_blocks_free(engine)
