@@ -203,6 +203,7 @@ def test_run_measures_every_request_on_the_wall_clock():
     summary = result.summary()
     assert summary["num_finished"] == 8 and summary["output_tok_s"] > 0
     assert result.trace.meta["engine"]["num_gpu_blocks"] == 64 and not engine.has_unfinished_requests()
+    assert result.trace.meta["machine"] == result.meta["machine"]    # a cost model fitted on it says where
 
 
 def test_each_run_starts_from_a_cold_prefix_cache():
