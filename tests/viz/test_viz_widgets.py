@@ -3,6 +3,7 @@ and its status; a block playground that never loses a request and says why an op
 failed in one line; exercise 09's allocator in the playground; timing figures that name
 their machine and take medians over repeats."""
 import io
+import sys
 from contextlib import redirect_stdout
 
 import pytest
@@ -165,7 +166,52 @@ def test_exercise_09_allocator_in_the_playground():
     assert list(fig.data[0].text[0][:3]) == ["4", "2", "3"]          # tokens per block
     with pytest.raises(ValueError, match="no host memory"):
         playground.swap_out("a")
+    # no host memory, no empty "host 0/0" panel under the device pool
+    assert [t.y[0] for t in fig.data if t.type == "heatmap"] == ["device pool"]
+    assert not [a.text for a in fig.layout.annotations if a.text.startswith("host")]
     assert playground.free("a") == [1] and playground.free("b") == [0, 2]     # block 0 was shared to the end
+
+
+def half_written(method):
+    """The solution's BlockAllocator with `method` still the exercise's `raise NotImplementedError`."""
+    from solutions.ex09_block_allocator import BlockAllocator
+
+    def unwritten(self, *args):
+        raise NotImplementedError(f"ex09: write BlockAllocator.{method}")
+    return type("HalfWritten", (BlockAllocator,), {method: unwritten})
+
+
+def test_unwritten_methods_of_exercise_09():
+    from exercises.ex09_block_allocator import BlockAllocator as Pristine
+    from solutions.ex09_block_allocator import BlockAllocator as Solution
+
+    assert viz.unwritten_methods(Pristine) == ["allocate", "append_slot", "fork", "free"]
+    assert viz.unwritten_methods(Solution) == []
+    for method in ("allocate", "append_slot", "fork", "free"):      # one left: that one, whichever it is
+        assert viz.unwritten_methods(half_written(method)) == [method]
+
+
+def test_notebook_04_runs_its_exercise_09_cell_on_a_half_written_allocator(monkeypatch):
+    """Run All must not stop at the playground of exercise 09 while the student is half-way
+    (allocate written, fork not: it checked allocate only); it shows the solution and says why."""
+    import json
+    import pathlib
+    import types
+
+    from solutions.ex09_block_allocator import BlockAllocator as Solution
+
+    notebook = json.loads((pathlib.Path(__file__).parents[2] / "notebooks" / "04_paged_kv_cache.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in notebook["cells"]
+                if c["cell_type"] == "code" and "exercises.ex09_block_allocator" in "".join(c["source"]))
+    yours = types.ModuleType("exercises.ex09_block_allocator")
+    yours.BlockAllocator = half_written("fork")
+    monkeypatch.setitem(sys.modules, "exercises.ex09_block_allocator", yours)
+    monkeypatch.setattr(sys, "path", list(sys.path))      # the cell puts the repo root on it
+    namespace, out = {"viz": viz}, io.StringIO()
+    with redirect_stdout(out):
+        exec(compile(cell, "notebook 04", "exec"), namespace)
+    assert "NOTE: exercise 09 still has fork to write" in out.getvalue()
+    assert type(namespace["mine"].block_manager) is Solution
 
 
 # ---- timings ----------------------------------------------------------------------------------
