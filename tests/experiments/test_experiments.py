@@ -331,5 +331,5 @@ def test_figures_draw_what_the_results_hold():
     # a measured run says which machine measured it, and that it was busy
     busy = Result.from_trace(hand_built_trace(), meta={"kind": "run", "machine": {
         "device": "Some CPU", "cores": 2, "torch_threads": 1, "load": 7.5, "gpu": False}})
-    note = latency_cdf(busy).layout.annotations[-1].text
+    note = latency_cdf(busy).layout.title.text          # under the title, above the subplot titles
     assert "Some CPU" in note and "BUSY" in note
