@@ -77,14 +77,20 @@ def fresh_ids(engine):
         n += 1
 
 
-def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> Trace:
+def record(engine, workload: list[Arrival], max_steps: int = 10_000, use_tqdm: bool | str = False,
+           **meta) -> Trace:
     """Run `workload` on `engine` to completion with a Recorder attached; returns its Trace
     (meta holds the engine's block size and scheduling knobs, plus `meta`). Requests get ids
-    "0", "1", ... in arrival order."""
+    "0", "1", ... in arrival order. `use_tqdm` shows a progress bar of finished requests (a
+    string: its label), for a run long enough to look stuck."""
+    from tqdm.auto import tqdm
+
     recorder = Recorder(**_engine_meta(engine), **meta)
     engine.hooks.attach(recorder)
     pending = sorted(workload, key=lambda a: a.step)
     step, ids = 0, fresh_ids(engine)
+    bar = tqdm(total=len(workload), desc=use_tqdm if isinstance(use_tqdm, str) else "requests", unit="req",
+               disable=not use_tqdm)
     try:
         while (pending or engine.has_unfinished_requests()) and step < max_steps:
             if not engine.has_unfinished_requests():
@@ -92,9 +98,11 @@ def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> 
             while pending and pending[0].step <= step:
                 arrival = pending.pop(0)
                 engine.add_request(arrival.prompt, arrival.params, request_id=next(ids))
-            engine.step()
+            bar.update(sum(out.finished for out in engine.step()))
             step += 1
+            bar.set_postfix_str(f"step {step}", refresh=False)
     finally:
+        bar.close()
         engine.hooks.detach(recorder)
     recorder.trace.meta["machine"] = machine_info()   # after the run: its load is the run's
     return recorder.trace

@@ -54,6 +54,19 @@ def test_every_figure_numbers_steps_from_the_start_of_the_trace(engine):
         viz.block_table(trace, len(trace.steps))
 
 
+def test_record_can_show_its_progress_and_requests_in_cache_counts_the_running(engine, capsys):
+    from llmlab.viz import kv_quant_figures
+
+    trace = viz.record(engine, arrivals(), use_tqdm="tiny engine")
+    err = capsys.readouterr().err
+    assert "tiny engine: 100%" in err and "2/2" in err                  # requests finished, of 2
+    viz.record(engine, arrivals())
+    assert capsys.readouterr().err == ""
+    fig = kv_quant_figures.requests_in_cache({"tiny": trace}, num_requests=2)
+    assert list(fig.data[0].y) == [len(step.block_tables) for step in trace.steps]
+    assert fig.layout.shapes[0].y0 == 2                                  # the line of "all 2 requests"
+
+
 def test_stepper_status_slider_and_title_agree_after_reset(engine):
     pytest.importorskip("ipywidgets")
     stepper = viz.Stepper(engine, arrivals())
