@@ -172,7 +172,7 @@ def titled(box, prefix):
 
 def click_and_wait(box, button, prefix, title=None, timeout=120_000):
     """Click a widget's button; wait until the figure whose title starts with `prefix` changes
-    (to `title`, when given: Run N redraws after every step)."""
+    (to `title`, when given: a long Run N redraws before its end too)."""
     before = titled(box, prefix)
     box.get_by_role("button", name=button, exact=True).click()
     box.page.wait_for_function(

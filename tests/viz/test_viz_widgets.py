@@ -85,6 +85,85 @@ def test_stepper_status_slider_and_title_agree_after_reset(engine):
     assert "showing step 1 of 0..2" in stepper._status.value
 
 
+def status_counts(status: str) -> str:
+    """The status line after its "N steps run (showing ...)" head: the counts of the step shown."""
+    return status.split("&middot;", 1)[1]
+
+
+def test_stepper_slider_rewinds_the_status_and_the_texts_with_the_figures(engine):
+    pytest.importorskip("ipywidgets")
+    stepper = viz.Stepper(engine, arrivals())
+    stepper.widget
+    seen = []                                   # what the UI showed after each step, run one by one
+    while not stepper.done:
+        stepper.step(1)
+        seen.append((status_counts(stepper._status.value), stepper._texts.value))
+    last = len(stepper.trace.steps) - 1
+    assert len(seen) == last + 1 >= 3 and "all done" in seen[-1][0]
+    for index in range(last):                   # back through the slider: all three follow it
+        stepper._slider.value = index
+        assert stepper.figures["block_table"].layout.title.text == f"KV block table after step {index}"
+        assert f"showing step {index} of 0..{last}" in stepper._status.value
+        assert (status_counts(stepper._status.value), stepper._texts.value) == seen[index], index
+    stepper._slider.value = 0
+    assert "1 still to arrive" in stepper._status.value          # request 1 arrives before step 1
+    stepper._slider.value = last                # the newest step: live again
+    assert (status_counts(stepper._status.value), stepper._texts.value) == seen[-1]
+
+
+def counting_updates(stepper) -> dict:
+    """How many times each of the stepper's figures is sent to the front end, from now on."""
+    counts = {name: 0 for name in stepper._views}
+    for name, view in stepper._views.items():
+        def update(fig, name=name, update=view.update):
+            counts[name] += 1
+            update(fig)
+        view.update = update
+    return counts
+
+
+def test_run_n_draws_once_at_the_end(engine):
+    pytest.importorskip("ipywidgets")
+    stepper = viz.Stepper(engine, arrivals())
+    stepper.widget
+    stepper.REDRAW_EVERY_S = float("inf")       # a run quicker than the redraw period
+    counts = counting_updates(stepper)
+    stepper.step(4)
+    assert len(stepper.trace.steps) == 4 and set(counts.values()) == {1}
+    assert stepper.figures["block_table"].layout.title.text == "KV block table after step 3"
+    stepper.step(1)                             # Step draws each time
+    assert set(counts.values()) == {2}
+    stepper.reset()
+    stepper.REDRAW_EVERY_S = 0.0                # a run slower than it: redrawn as it goes
+    counts = counting_updates(stepper)
+    stepper.step(3)
+    assert set(counts.values()) == {3}
+
+
+def test_a_figure_view_sends_only_what_changed():
+    pytest.importorskip("ipywidgets")
+    import plotly.graph_objects as go
+
+    def figure(y, title="t"):
+        return go.Figure([go.Bar(x=[0, 1], y=[1, 2], name="a"), go.Bar(x=[0, 1], y=y, name="b")],
+                         go.Layout(title=title, height=300))
+    view = viz.FigureView(figure([3, 4]))
+    if not view.in_place:
+        pytest.skip("no FigureWidget (anywidget is missing): the view redraws whole figures")
+    sent = []
+    for index, trace in enumerate(view.widget.data):
+        trace.update = lambda *args, index=index, update=trace.update, **kwargs: (sent.append(index),
+                                                                                   update(*args, **kwargs))
+    relayout = view.widget.update_layout
+    view.widget.update_layout = lambda *args, **kwargs: (sent.append("layout"), relayout(*args, **kwargs))
+    view.update(figure([3, 5]))                 # one bar of the second trace
+    assert sent == [1] and list(view.widget.data[1].y) == [3, 5]
+    view.update(figure([3, 5], title="u"))      # the title only
+    assert sent == [1, "layout"] and view.widget.layout.title.text == "u"
+    view.update(figure([3, 5], title="u"))      # nothing
+    assert sent == [1, "layout"]
+
+
 def test_stepper_chat_sends_prompts_through_the_chat_template(engine):
     class Template:   # stands in for the tokenizer: what the chat template would make of a message
         def apply_chat_template(self, messages):
