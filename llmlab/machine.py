@@ -68,10 +68,17 @@ def machine_name(device="cuda") -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
-def recorded_on(device="cuda") -> str:
-    """The machine and software a saved measurement (a trace, a cost model) was made with."""
+def recorded_on(device="cuda", info: dict | None = None) -> str:
+    """The machine and software a saved measurement (a trace, a cost model) was made with:
+    this machine's `device`, or the machine that `info` (a machine_info() dict recorded with
+    the measurement) describes."""
     import torch
 
+    if info is not None:
+        if info.get("gpu"):
+            return f"{info.get('device', 'GPU')}, torch {info.get('torch', '?')}, Triton {info.get('triton', '?')}"
+        return f"CPU ({info.get('cores', '?')} cores), torch {info.get('torch', '?')}, " \
+               f"{info.get('torch_threads', '?')} threads"
     software = versions()
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {software['torch']}, Triton {software['triton']}"

@@ -150,7 +150,7 @@ def calibrate(args) -> dict:
     linear_model = CostModel.fit(fitted.trace) if profile is not None else None
     for model in (cost_model, linear_model):
         if model is not None:
-            model.meta.update(recorded_on=fitted.trace.meta["recorded_on"], date=fitted.trace.meta["date"],
+            model.meta.update(date=fitted.trace.meta["date"],   # recorded_on: fit took it from the trace
                               recorded_with=f"llmlab bench calibrate --preset {args.preset}")
     cost_model.save(os.path.join(args.out, "cost_model.json"))
 

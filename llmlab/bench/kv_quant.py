@@ -151,15 +151,22 @@ def variants(model, num_tokens, fp8_supported, only=None):
             if name == first or only is None or any(word in name for word in only)}
 
 
-def accuracy(model, token_ids, fp8_supported=False, only=None) -> list[dict]:
+def accuracy(model, token_ids, fp8_supported=False, only=None, progress=False) -> list[dict]:
     """Perplexity, mean KL(full || variant) and top-1 agreement of every variant (`only`:
-    see variants()), all run chunk by chunk in lockstep (so no variant's logits are kept)."""
+    see variants()), all run chunk by chunk in lockstep (so no variant's logits are kept).
+    `progress`: a bar over the prefill chunks of every variant."""
+    from tqdm.auto import tqdm
+
     runs = variants(model, len(token_ids), fp8_supported, only)
     targets = torch.tensor(token_ids[1:], device=model.embed.device)
     totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in runs}
-    for start in range(0, len(token_ids) - 1, CHUNK):
-        logprobs = {name: chunk_logprobs(model, token_ids, cache, start, store_kv=store)
-                    for name, (cache, store) in runs.items()}
+    starts = range(0, len(token_ids) - 1, CHUNK)
+    bar = tqdm(total=len(starts) * len(runs), desc="chunks x caches", disable=not progress)
+    for start in starts:
+        logprobs = {}
+        for name, (cache, store) in runs.items():
+            logprobs[name] = chunk_logprobs(model, token_ids, cache, start, store_kv=store)
+            bar.update()
         num = min(CHUNK, len(token_ids) - 1 - start)   # the last token has no next token
         full = logprobs["full precision (auto)"][:num]
         for name, lp in logprobs.items():
@@ -167,6 +174,7 @@ def accuracy(model, token_ids, fp8_supported=False, only=None) -> list[dict]:
             totals[name]["nll"] -= lp.gather(1, targets[start:start + num, None]).sum().item()
             totals[name]["kl"] += (full.exp() * (full - lp)).sum().item()
             totals[name]["top1"] += (lp.argmax(-1) == full.argmax(-1)).sum().item()
+    bar.close()
     count = len(token_ids) - 1
     base = math.exp(totals["full precision (auto)"]["nll"] / count)
     rows = []
@@ -186,9 +194,11 @@ def bytes_per_token(model, dtype):
 
 # ----------------------------------------------------------------------------- round-trip errors
 
-def capture_kv(model, token_ids):
+def capture_kv(model, token_ids, progress=False):
     """K (after rope) and V of every layer as the full-precision cache stores them:
-    two float32 tensors [num_layers, T, Hkv, D]."""
+    two float32 tensors [num_layers, T, Hkv, D]. `progress`: a bar over the prefill chunks."""
+    from tqdm.auto import tqdm
+
     keys, values = [], []
 
     def record(k, v, k_cache, v_cache, slot_mapping):
@@ -198,7 +208,7 @@ def capture_kv(model, token_ids):
 
     cache = new_cache(model, len(token_ids), model.embed.dtype)
     layers = model.config.num_layers
-    for start in range(0, len(token_ids), CHUNK):
+    for start in tqdm(range(0, len(token_ids), CHUNK), desc="prefill chunks", disable=not progress):
         chunk_logprobs(model, token_ids, cache, start, store_kv=record)
     per_layer = lambda xs: torch.stack([torch.cat(xs[i::layers]) for i in range(layers)])  # noqa: E731
     return per_layer(keys), per_layer(values)

@@ -30,9 +30,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 
 from llmlab.experiments.dense_profile import DenseProfile
 from llmlab.experiments.result import step_durations
+from llmlab.machine import recorded_on
 
 # a model saved before a term existed loads with that term at 0: it predicts as it did
 FEATURES = ("intercept", "mixed", "prefill_tokens", "decode_tokens", "decode_context", "prefill_attention",
@@ -98,11 +100,15 @@ class CostModel:
         """Fit on one Trace or a list of them (recorded by `run` or any Recorder). Steps that
         take over twice their prediction, and over `outlier_factor` times the median relative
         error off, are dropped (one-off work). With a `profile` of the same engine, the
-        `dense` term is fitted too, and the profile is kept in the model (and its JSON)."""
+        `dense` term is fitted too, and the profile is kept in the model (and its JSON).
+        `meta["recorded_on"]` says where the traces were recorded (figures of a simulation
+        name it): as the trace says, else its machine as `run` recorded it, else this one."""
         traces = traces if isinstance(traces, (list, tuple)) else [traces]
         steps = [(step.scheduled, seconds, swapped_blocks(step)) for trace in traces
                  for step, seconds in zip(trace.steps, step_durations(trace)) if seconds is not None and step.scheduled]
-        return cls.fit_steps(steps, traces[0].meta.get("engine", traces[0].meta), outlier_factor, profile)
+        meta = dict(traces[0].meta.get("engine", traces[0].meta))
+        meta["recorded_on"] = _where_recorded(traces[0].meta, meta.get("device", "cpu"))
+        return cls.fit_steps(steps, meta, outlier_factor, profile)
 
     @classmethod
     def fit_steps(cls, steps, meta: dict | None = None, outlier_factor: float = 4.0,
@@ -153,6 +159,16 @@ class CostModel:
             raise ValueError(f"{path} is not a saved CostModel (no 'coefficients')")
         profile = data.get("dense_profile")
         return cls(data["coefficients"], data.get("meta"), None if profile is None else DenseProfile.from_dict(profile))
+
+
+def _where_recorded(trace_meta: dict, device: str) -> str:
+    """The machine a trace names (`recorded_on`, or the machine_info `run` keeps), else this
+    one: a trace with neither was recorded by this process (a Recorder attached by hand)."""
+    if trace_meta.get("recorded_on"):
+        return trace_meta["recorded_on"]
+    if trace_meta.get("machine") or device != "cuda" or torch.cuda.is_available():
+        return recorded_on(device, info=trace_meta.get("machine"))
+    return "unknown machine"   # a GPU's trace without its machine, read on a machine with none
 
 
 def _nonnegative_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:

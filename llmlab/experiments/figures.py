@@ -15,7 +15,7 @@ from llmlab.experiments.cost_model import CostModel, swapped_blocks
 from llmlab.experiments.result import Result, step_durations
 from llmlab.experiments.workload import Workload
 from llmlab.machine import machine_note
-from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS
+from llmlab.viz.figures import REQUEST_COLORS, STATE_COLORS, log_ticks, title_band
 
 METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)", "itl": "inter-token latency (s)"}
 SUMMARY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")
@@ -39,11 +39,7 @@ def _with_notes(fig: go.Figure, results) -> go.Figure:
         elif result.meta.get("kind") == "simulate":
             recorded_on = result.meta.get("cost_model", {}).get("meta", {}).get("recorded_on", "unknown machine")
             notes.append(f"simulated with a cost model recorded on {recorded_on}")
-    if notes:
-        fig.add_annotation(text="<br>".join(dict.fromkeys(notes)), xref="paper", yref="paper", x=0, y=1.0,
-                           yanchor="bottom", showarrow=False, align="left", font=dict(size=10, color="#666"))
-        fig.update_layout(margin=dict(t=60 + 14 * len(set(notes))))
-    return fig
+    return title_band(fig, fig.layout.title.text, notes)
 
 
 def workload_figure(workload: Workload) -> go.Figure:
@@ -55,9 +51,8 @@ def workload_figure(workload: Workload) -> go.Figure:
                                                      for r in requests],
                                marker=dict(size=6 + 18 * outputs / outputs.max(), color=STATE_COLORS["prefill"],
                                            opacity=0.7, line=dict(width=0))))
-    fig.update_layout(title=f"Workload: {len(requests)} requests (marker size = output length)",
-                      xaxis_title="arrival (s)", yaxis_title="prompt tokens", height=300, margin=dict(t=50, b=40))
-    return fig
+    fig.update_layout(xaxis_title="arrival (s)", yaxis_title="prompt tokens", height=300, margin=dict(b=40))
+    return title_band(fig, f"Workload: {len(requests)} requests (marker size = output length)")
 
 
 def step_predictions(trace, cost_model: CostModel) -> go.Figure:
@@ -73,9 +68,8 @@ def step_predictions(trace, cost_model: CostModel) -> go.Figure:
                                  marker=dict(color=color, size=6, opacity=0.7)))
     top = max((max(p[0], p[1]) for p in points), default=1.0)
     fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="exact", line=dict(color="#888", dash="dot")))
-    fig.update_layout(title="Step time: measured vs predicted", xaxis_title="predicted (ms)",
-                      yaxis_title="measured (ms)", height=360, margin=dict(t=50, b=40))
-    return fig
+    fig.update_layout(xaxis_title="predicted (ms)", yaxis_title="measured (ms)", height=360, margin=dict(b=40))
+    return title_band(fig, "Step time: measured vs predicted")
 
 
 def latency_cdf(results, metrics=("ttft", "tpot", "e2e")) -> go.Figure:
@@ -177,7 +171,9 @@ def sweep(results: dict, keys=("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"), 
         fig.add_trace(go.Scatter(x=values, y=[s[key] for s in summaries], name=key, mode="lines+markers",
                                  line=dict(color=REQUEST_COLORS[i % len(REQUEST_COLORS)])),
                       row=1, col=kinds.index(key.split("_")[0]) + 1)
-    fig.update_xaxes(title_text=parameter, type="log" if all(isinstance(v, (int, float)) and v > 0 for v in values)
-                     else "-")
+    if all(isinstance(v, (int, float)) and v > 0 for v in values):
+        fig.update_xaxes(title_text=parameter, type="log", **log_ticks(min(values), max(values)))
+    else:
+        fig.update_xaxes(title_text=parameter)
     fig.update_layout(title=f"Latency against {parameter}", height=340, margin=dict(t=60, b=40))
     return _with_notes(fig, list(results.values()))

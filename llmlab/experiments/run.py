@@ -87,8 +87,10 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
         scheduler.policy, scheduler.clock_origin = previous
         for request_id in list(engine.requests):   # interrupted: leave the engine idle
             engine.abort(request_id)
+    # after the run: its load is the run's; in the trace too, so a cost model fitted on it says where
+    recorder.trace.meta["machine"] = machine_info()
     meta = {"kind": "run", "policy": recorder.trace.meta["policy"], "engine": recorder.trace.meta["engine"],
-            "machine": machine_info()}
+            "machine": recorder.trace.meta["machine"]}
     return Result.from_trace(recorder.trace, arrivals, origin=start,
                              priorities={r.request_id: r.priority for r in workload}, meta=meta)
 

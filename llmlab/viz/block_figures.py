@@ -39,7 +39,7 @@ def block_table(source: Trace | StepRecord, step: int = -1, *, block_size: int |
     `num_tokens` (request id -> tokens in the cache) and `block_size`. One row per
     running request: the cell at physical block b says which logical block of the request it
     is (block_tables[request][logical] == b). The lower panel is host memory: blocks of
-    swapped-out requests (host_block_tables).
+    swapped-out requests (host_block_tables); there is none where there is no host memory.
     """
     if isinstance(source, Trace):
         index = step_index(source, step)
@@ -58,26 +58,29 @@ def block_table(source: Trace | StepRecord, step: int = -1, *, block_size: int |
     draw = dict(code=code, colors=colors, tokens=tokens, block_size=block_size, max_blocks=max_blocks)
     device, device_width = _block_panel(record.block_tables, record.total_device_blocks, "device pool",
                                         set(record.cached_blocks), set(record.shared_blocks), **draw)
-    host, host_width = _block_panel(record.host_block_tables, record.total_host_blocks, "host pool", **draw)
-    device_rows, host_rows = len(device.y), len(host.y)
+    # an allocator with no host memory (exercise 09's, an engine with swap_space=0) gets no empty panel
+    has_host = bool(record.total_host_blocks or record.host_block_tables)
+    panels = [(device, device_width, record.total_device_blocks)]
+    if has_host:
+        host, host_width = _block_panel(record.host_block_tables, record.total_host_blocks, "host pool", **draw)
+        panels.append((host, host_width, record.total_host_blocks))
     row_px, gap_px = 26, 80          # fixed pixels per row, so cells look alike in any figure
-    plot_px = row_px * (device_rows + host_rows) + gap_px
+    plot_px = row_px * sum(len(heatmap.y) for heatmap, _, _ in panels) + gap_px * (len(panels) - 1)
     # what the numbers in the cells mean, said where they are drawn
     legend_text = (f" · pool: tokens held (of {block_size})" if tokens and block_size else "") + \
         (" · rows: logical block" if record.block_tables else "")
     titles = (f"device: {record.free_device_blocks}/{record.total_device_blocks} blocks free{legend_text}",
               f"host (swap space): {record.free_host_blocks}/{record.total_host_blocks} blocks free")
-    fig = make_subplots(rows=2, cols=1, row_heights=[device_rows, host_rows],
-                        vertical_spacing=gap_px / plot_px, subplot_titles=titles)
+    fig = make_subplots(rows=len(panels), cols=1, row_heights=[len(heatmap.y) for heatmap, _, _ in panels],
+                        vertical_spacing=gap_px / plot_px if has_host else 0, subplot_titles=titles[:len(panels)])
     fig.update_annotations(font_size=13)    # the subplot titles: long enough to wrap at 16 px
-    fig.add_trace(device, row=1, col=1)
-    fig.add_trace(host, row=2, col=1)
+    for row, (heatmap, _, _) in enumerate(panels, start=1):
+        fig.add_trace(heatmap, row=row, col=1)
     legend = (("free", FREE), ("free, kept in the prefix cache", CACHED), ("shared (ref count > 1)", SHARED))
     for name, color in legend:
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, showlegend=True,
                                  marker=dict(symbol="square", size=12, color=color)), row=1, col=1)
-    panels = ((1, device_width, record.total_device_blocks), (2, host_width, record.total_host_blocks))
-    for row, width, total in panels:
+    for row, (_, width, total) in enumerate(panels, start=1):
         shown = f" (first {width} of {total})" if width < total else ""
         fig.update_xaxes(range=[-0.5, width - 0.5], row=row, col=1, title_text="physical block" + shown,
                          title_standoff=2, dtick=1 if width <= 32 else None)

@@ -13,9 +13,13 @@ Steps are numbered from the start of the trace: "step i" is `trace.steps[i]`, on
 axis, title and slider (a StepRecord's own `.step` is the engine's counter, which keeps
 running across generate calls; hovers show it as "engine step"). Figures keep a fixed set
 of traces whatever the data (e.g. one bar trace per request state, even when empty), so a
-widget can update them in place.
+widget can update them in place. `title_band` places a title and its notes where neither the
+toolbar nor the subplot titles cover them; `log_ticks` labels a log axis in whole numbers.
 """
 from __future__ import annotations
+
+import math
+import textwrap
 
 import plotly.graph_objects as go
 
@@ -37,6 +41,56 @@ def request_color(request_id: str) -> str:
 def sorted_ids(request_ids):
     """Numeric ids in numeric order ("2" before "10"), names after them."""
     return sorted(request_ids, key=lambda r: (len(str(r)), str(r)))
+
+
+# ---- titles ----------------------------------------------------------------------------------
+# plotly's toolbar (the modebar: zoom, pan, download) is drawn over the top right of a figure,
+# about 30 px tall, while the pointer is on it; a title in that band hides under it. Titles
+# start below it, and the top margin holds them, their notes and the subplot titles below.
+TOOLBAR_PX = 34
+TITLE_PX = 24             # the title's line (plotly's default 17 px font)
+NOTE_PX = 22              # each note line (<sup>) under it: plotly keeps the title's line spacing
+SUBPLOT_TITLES_PX = 28    # subplot titles stand just above their plots, inside the top margin
+NOTE_CHARS = 95           # a longer note is wrapped: it would run off a figure 700 px wide
+# plotly drops the cap shift (0.7 em) of a title's first line when the title has several lines
+MULTILINE_SHIFT_PX = 12
+
+
+def title_band(fig: go.Figure, title: str, notes=(), gap_px: int = 12) -> go.Figure:
+    """Give `fig` its title, one smaller line under it per note (the machine that measured,
+    where a cost model was recorded, ...; repeats dropped, long ones wrapped), below the
+    toolbar's band, and a top margin that holds them and, under them, the subplot titles:
+    nothing drawn there covers anything else. A figure of a set height grows by what its
+    margin grew, so its plot keeps its size."""
+    lines = [line for note in dict.fromkeys(note for note in notes if note)
+             for line in textwrap.wrap(note, NOTE_CHARS, break_on_hyphens=False)]
+    text = title + "".join(f"<br><sup>{line}</sup>" for line in lines)
+    subplot_titles = any(a.yref == "paper" and a.yanchor == "bottom" and a.y is not None and a.y >= 1
+                         for a in fig.layout.annotations)
+    top = TOOLBAR_PX + TITLE_PX + NOTE_PX * len(lines) + (SUBPLOT_TITLES_PX if subplot_titles else gap_px)
+    if fig.layout.height is not None:
+        before = fig.layout.margin.t if fig.layout.margin.t is not None else 100   # plotly's default
+        fig.update_layout(height=fig.layout.height + max(0, top - before))
+    pad = TOOLBAR_PX + (MULTILINE_SHIFT_PX if lines else 0)
+    fig.update_layout(title=dict(text=text, y=1, yref="container", yanchor="top", pad=dict(t=pad)),
+                      margin=dict(t=top))
+    return fig
+
+
+def log_ticks(low: float, high: float) -> dict:
+    """tickvals and ticktext for a log axis from `low` to `high`, in whole numbers: the decades
+    (1, 10, 100, ...), and 2 and 5 times them where the axis spans two decades or less, else
+    the two ends. (plotly labels a short log axis with bare digits: "3 4 5 6 7 8 9 1000 2".)
+    `fig.update_xaxes(type="log", **log_ticks(low, high))`."""
+    if not 0 < low <= high:
+        raise ValueError(f"a log axis needs 0 < low <= high, got {low}, {high}")
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    steps = (1, 2, 5) if last - first <= 2 else (1,)
+    ticks = [m * 10.0 ** e for e in range(first, last + 1) for m in steps
+             if low / 1.001 <= m * 10.0 ** e <= high * 1.001]
+    if len(ticks) < 2:
+        ticks = sorted({low, high})
+    return dict(tickvals=ticks, ticktext=[f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks])
 
 
 def step_index(trace: Trace, step: int) -> int:

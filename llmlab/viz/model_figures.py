@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from llmlab.viz.figures import REQUEST_COLORS
+from llmlab.viz.figures import REQUEST_COLORS, log_ticks, title_band
 
 
 # ---- attention and sampling ----------------------------------------------------------------
@@ -302,7 +302,9 @@ def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True, machin
     ms = {(r["shape"], r["impl"]): r["ms"] for r in rows if "ms" in r}
     fig = go.Figure([go.Bar(name=impl, x=shapes, y=[ms.get((s, impl)) for s in shapes],
                             hovertemplate="%{x}<br>" + impl + ": %{y:.4g} ms<extra></extra>") for impl in impls])
-    fig.update_layout(barmode="group", title=title + (f"<br><sup>{machine}</sup>" if machine else ""),
-                      yaxis_title="ms per call" + (" (log scale)" if log_y else ""),
+    fig.update_layout(barmode="group", yaxis_title="ms per call" + (" (log scale)" if log_y else ""),
                       yaxis_type="log" if log_y else "linear", height=380, margin=dict(t=60, b=40))
-    return fig
+    times = [value for value in ms.values() if value and value > 0]
+    if log_y and times:
+        fig.update_yaxes(**log_ticks(min(times), max(times)))
+    return title_band(fig, title, [machine])

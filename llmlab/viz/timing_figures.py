@@ -12,7 +12,7 @@ from plotly.subplots import make_subplots
 
 from llmlab.hooks import Trace
 from llmlab.machine import is_busy, machine_note
-from llmlab.viz.figures import SHARED, STATE_COLORS
+from llmlab.viz.figures import SHARED, STATE_COLORS, title_band
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 
@@ -38,21 +38,20 @@ def phase_timings(trace: Trace | list[Trace]) -> go.Figure:
                                      arrayminus=[m - min(x) for x, m in zip(totals, median_totals)])))
         spread = max((max(x) / min(x) for x in totals if min(x) > 0), default=None)
     runs = f" (median of {len(traces)} runs)" if len(traces) > 1 else " (one run)"
-    fig.update_layout(barmode="stack", title=timing_title("Time per phase" + runs, traces, spread),
-                      xaxis_title="engine step", yaxis_title="ms", height=340, margin=dict(t=70, b=40))
-    return fig
+    fig.update_layout(barmode="stack", xaxis_title="engine step", yaxis_title="ms", height=340,
+                      margin=dict(t=70, b=40))
+    return title_band(fig, "Time per phase" + runs, [timing_note(traces, spread)])
 
 
-def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> str:
-    """A figure title with the machine that measured `traces` (recorded in their meta by
-    viz.record; else this machine, now) and a warning when it was busy."""
+def timing_note(traces: list[Trace], spread: float | None = None) -> str:
+    """The line under a timing figure's title: the machine that measured `traces` (recorded in
+    their meta by viz.record; else this machine, now), and a warning when it was busy."""
     recorded = [t.meta["recorded_on"] for t in traces if t.meta.get("recorded_on")]
     if recorded:   # a trace saved elsewhere (notebooks/data) names its machine in words
-        return f"{title}<br><sup>recorded on {recorded[0]}</sup>"
+        return f"recorded on {recorded[0]}"
     info = next((t.meta["machine"] for t in traces if t.meta.get("machine")), None)
     busy_runs = [t.meta["machine"] for t in traces if t.meta.get("machine") and is_busy(t.meta["machine"])]
-    note = machine_note(busy_runs[0] if busy_runs else info, spread)
-    return f"{title}<br><sup>{note}</sup>"
+    return machine_note(busy_runs[0] if busy_runs else info, spread)
 
 
 def kernel_timings(trace: Trace) -> go.Figure:
@@ -66,9 +65,8 @@ def kernel_timings(trace: Trace) -> go.Figure:
     names = sorted(totals, key=totals.get) + ["forward, outside kernels"]
     values = [totals[n] for n in names[:-1]] + [max(0.0, forward - sum(totals.values()))]
     fig = go.Figure(go.Bar(x=values, y=names, orientation="h", marker_color=STATE_COLORS["decode"]))
-    fig.update_layout(title=timing_title("Time per kernel, whole trace", [trace]), xaxis_title="ms",
-                      height=140 + 30 * len(names), margin=dict(t=70, b=40))
-    return fig
+    fig.update_layout(xaxis_title="ms", height=140 + 30 * len(names), margin=dict(t=70, b=40))
+    return title_band(fig, "Time per kernel, whole trace", [timing_note([trace])])
 
 
 def request_latencies(trace: Trace) -> dict[str, dict]:
@@ -110,9 +108,8 @@ def latency_comparison(traces: dict[str, Trace], ttft_requests=None, itl_request
     fig.add_trace(go.Bar(name="ITL worst", x=labels, y=[g[-1] * 1e3 if g else 0 for g in gaps],
                          marker_color=STATE_COLORS["preempted"]), row=1, col=2)
     fig.update_yaxes(title_text="ms")
-    fig.update_layout(title=timing_title("Latency", list(traces.values())), barmode="group", height=360,
-                      margin=dict(t=90, b=40))
-    return fig
+    fig.update_layout(barmode="group", height=360, margin=dict(t=90, b=40))
+    return title_band(fig, "Latency", [timing_note(list(traces.values()))])
 
 
 def _mean(values):

@@ -1,7 +1,7 @@
 """Watching an engine from Jupyter: `record` a whole run, or drive one step by step.
 
 `Stepper(engine, workload)` is Step / Run N / Reset buttons, add-request controls, a slider
-that scrubs through the recorded steps, and figures that update in place after each step.
+that scrubs through the recorded steps, and figures that update in place.
 It also works from code (`stepper.step(3)`, `stepper.figures[...]`), and without a widget
 frontend (nbval, nbconvert, a terminal) it shows static figures, so a notebook runs
 headless unchanged. `FigureView` (a figure updated in place) is shared with playground.py,
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import os
+import time
 from dataclasses import dataclass
 
 from llmlab.hooks import Recorder, Trace
@@ -77,14 +78,20 @@ def fresh_ids(engine):
         n += 1
 
 
-def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> Trace:
+def record(engine, workload: list[Arrival], max_steps: int = 10_000, use_tqdm: bool | str = False,
+           **meta) -> Trace:
     """Run `workload` on `engine` to completion with a Recorder attached; returns its Trace
     (meta holds the engine's block size and scheduling knobs, plus `meta`). Requests get ids
-    "0", "1", ... in arrival order."""
+    "0", "1", ... in arrival order. `use_tqdm` shows a progress bar of finished requests (a
+    string: its label), for a run long enough to look stuck."""
+    from tqdm.auto import tqdm
+
     recorder = Recorder(**_engine_meta(engine), **meta)
     engine.hooks.attach(recorder)
     pending = sorted(workload, key=lambda a: a.step)
     step, ids = 0, fresh_ids(engine)
+    bar = tqdm(total=len(workload), desc=use_tqdm if isinstance(use_tqdm, str) else "requests", unit="req",
+               disable=not use_tqdm)
     try:
         while (pending or engine.has_unfinished_requests()) and step < max_steps:
             if not engine.has_unfinished_requests():
@@ -92,9 +99,11 @@ def record(engine, workload: list[Arrival], max_steps: int = 10_000, **meta) -> 
             while pending and pending[0].step <= step:
                 arrival = pending.pop(0)
                 engine.add_request(arrival.prompt, arrival.params, request_id=next(ids))
-            engine.step()
+            bar.update(sum(out.finished for out in engine.step()))
             step += 1
+            bar.set_postfix_str(f"step {step}", refresh=False)
     finally:
+        bar.close()
         engine.hooks.detach(recorder)
     recorder.trace.meta["machine"] = machine_info()   # after the run: its load is the run's
     return recorder.trace
@@ -111,7 +120,8 @@ def _engine_meta(engine) -> dict:
 # ---- figures that update in place ------------------------------------------------------------
 class FigureView:
     """A figure shown once and then updated in place: plotly's FigureWidget when it can be
-    built (it needs the anywidget package), else an Output widget that redraws the figure."""
+    built (it needs the anywidget package), else an Output widget that redraws the figure.
+    An update sends the front end only the traces and layout keys that changed."""
 
     def __init__(self, fig):
         import ipywidgets as widgets
@@ -119,6 +129,7 @@ class FigureView:
 
         try:
             self.widget, self.in_place = go.FigureWidget(fig), True
+            self._shown = _plotly_json(fig)       # what the front end has: what the next update compares with
         except ImportError:
             self.widget, self.in_place = widgets.Output(), False
             self.update(fig)
@@ -131,31 +142,49 @@ class FigureView:
                 clear_output(wait=True)
                 _show(fig)
             return
-        target = self.widget
+        target, new, shown = self.widget, _plotly_json(fig), self._shown
         with target.batch_update():
-            if [t.type for t in target.data] == [t.type for t in fig.data]:
-                for old, new in zip(target.data, fig.data):
-                    props = new.to_plotly_json()
-                    props.pop("type", None)
-                    props.pop("uid", None)
-                    old.update(props, overwrite=True)
+            if [t.get("type") for t in new["data"]] == [t.get("type") for t in shown["data"]]:
+                for old, before, after in zip(target.data, shown["data"], new["data"]):
+                    if after != before:
+                        old.update({k: v for k, v in after.items() if k not in ("type", "uid")}, overwrite=True)
             else:
                 target.data = []
                 target.add_traces(list(fig.data))
-            target.update_layout(fig.layout.to_plotly_json(), overwrite=True)
+            changed = {key: value for key, value in new["layout"].items() if shown["layout"].get(key) != value}
+            changed.update({key: None for key in shown["layout"] if key not in new["layout"]})
+            if changed:
+                target.update_layout(changed, overwrite=True)
+        self._shown = new
+
+
+def _plotly_json(fig) -> dict:
+    """The figure as plain JSON data (lists, not arrays), to compare one update with the last;
+    without uids, which plotly makes up anew for every figure."""
+    import json
+
+    from plotly.utils import PlotlyJSONEncoder
+
+    data = json.loads(json.dumps(fig.to_plotly_json(), cls=PlotlyJSONEncoder))
+    for trace in data["data"]:
+        trace.pop("uid", None)
+    return data
 
 
 # ---- the engine stepper --------------------------------------------------------------------
 class Stepper:
     """Drive `engine` one step at a time and watch it: block table, batch composition and
-    request timeline, redrawn after every step. `workload` (Arrivals) is queued on Reset; each
-    Arrival is added before the step whose index (counted from the reset) is its `step`.
+    request timeline, redrawn after each Step and at the end of a Run N; the slider shows any
+    recorded step again, its figures, status line and texts as that step left them.
+    `workload` (Arrivals) is queued on Reset; each Arrival is added before the step whose
+    index (counted from the reset) is its `step`.
     Steps are numbered from the reset, 0 first, in the figures, the slider and the status, and
     requests "0", "1", ... in the order they are added.
     chat=True sends text prompts (the Add box, `add(text)`) as a user message through the
     model's chat template: an instruct model then answers instead of continuing the text."""
 
     FIGURES = ("block_table", "batch_composition", "request_timeline")
+    REDRAW_EVERY_S = 0.5     # a Run N redraws at most this often, and once at the end
 
     def __init__(self, engine, workload: list[Arrival] = (), figures: tuple = FIGURES, max_blocks: int = 64,
                  chat: bool = False):
@@ -164,6 +193,7 @@ class Stepper:
         self.recorder: Recorder | None = None
         self.figures: dict = {}
         self.outputs: dict = {}           # request id -> latest RequestOutput
+        self.history: list[dict] = []     # self.outputs after each recorded step: the texts the slider shows
         self._widget = None
         self.reset()
 
@@ -182,7 +212,7 @@ class Stepper:
         self.recorder = Recorder(**_engine_meta(self.engine))
         self.engine.hooks.attach(self.recorder)
         self.pending = sorted(self.workload, key=lambda a: a.step)
-        self.num_steps, self.position, self.outputs = 0, None, {}
+        self.num_steps, self.position, self.outputs, self.history = 0, None, {}, []
         self._ids = fresh_ids(self.engine)   # after a Reset, the same requests get the same ids
         self.refresh()
 
@@ -200,8 +230,11 @@ class Stepper:
         return not self.pending and not self.engine.has_unfinished_requests()
 
     def step(self, n: int = 1) -> None:
-        """Run up to `n` engine steps (fewer when everything has finished)."""
-        for _ in range(n):
+        """Run up to `n` engine steps (fewer when everything has finished). The widget is
+        redrawn once at the end, and during a long Run N at most every REDRAW_EVERY_S seconds
+        (drawing every step would cost more than the steps of a small model)."""
+        drawn = time.perf_counter()
+        for i in range(n):
             if self.done:
                 break
             while self.pending and self.pending[0].step <= self.num_steps:
@@ -209,12 +242,13 @@ class Stepper:
                 self.engine.add_request(arrival.prompt, arrival.params, request_id=next(self._ids))
             for out in self.engine.step():
                 self.outputs[out.request_id] = out
+            self.history.append(dict(self.outputs))   # outputs are snapshots: they keep this step's text
             self.num_steps += 1
             self.position = None          # follow the newest step
-            if self._widget is not None:
-                self.refresh()            # the UI shows every step of a Run N
-        if self._widget is None:
-            self.refresh()
+            if self._widget is not None and i < n - 1 and time.perf_counter() - drawn >= self.REDRAW_EVERY_S:
+                self.refresh()
+                drawn = time.perf_counter()
+        self.refresh()
 
     def run(self, max_steps: int = 1000) -> None:
         """Step until every request (and every pending arrival) has finished."""
@@ -248,6 +282,8 @@ class Stepper:
         return out
 
     def refresh(self) -> None:
+        """Draw the step shown (the newest, or the slider's): its figures, and, with the widget,
+        its status line and its texts."""
         self.figures = self.draw()
         if self._widget is None:
             return
@@ -258,18 +294,26 @@ class Stepper:
         self._slider.max = last
         self._slider.value = last if self.position is None else self.position
         self._syncing = False
-        stats = self.engine.kv_stats()
         ran = len(self.trace.steps)
         shown = ("no step yet" if not ran else
                  f"showing step {last if self.position is None else self.position} of 0..{last}")
+        if self.position is None:      # the engine now (a request added since the last step counts)
+            stats = self.engine.kv_stats()
+            counts = (stats["num_running"], stats["num_waiting"], stats["num_swapped"], len(self.pending),
+                      stats["free_device_blocks"], stats["total_device_blocks"])
+            outputs = self.outputs
+        else:                          # as the step shown left it
+            record = self.trace.steps[self.position]
+            counts = (len(record.block_tables), len(record.waiting), len(record.host_block_tables),
+                      sum(arrival.step > self.position for arrival in self.workload),
+                      record.free_device_blocks, record.total_device_blocks)
+            outputs = self.history[self.position]
         self._status.value = (
-            f"<b>{ran} step{'s' if ran != 1 else ''} run</b> ({shown}) &middot; {stats['num_running']} running, "
-            f"{stats['num_waiting']} waiting, {stats['num_swapped']} swapped, "
-            f"{len(self.pending)} still to arrive &middot; device blocks free "
-            f"{stats['free_device_blocks']}/{stats['total_device_blocks']}"
-            + (" &middot; <b>all done</b>" if self.done else ""))
+            f"<b>{ran} step{'s' if ran != 1 else ''} run</b> ({shown}) &middot; {counts[0]} running, "
+            f"{counts[1]} waiting, {counts[2]} swapped, {counts[3]} still to arrive &middot; device blocks free "
+            f"{counts[4]}/{counts[5]}" + (" &middot; <b>all done</b>" if self.done and self.position is None else ""))
         rows = "".join(f"<tr><td>req {rid}</td><td>{out.finish_reason or ''}</td>"
-                       f"<td>{html.escape(out.text)}</td></tr>" for rid, out in self.outputs.items())
+                       f"<td>{html.escape(out.text)}</td></tr>" for rid, out in outputs.items())
         header = "<tr><th>request</th><th>finished</th><th>text so far</th></tr>"
         self._texts.value = f"<table>{header}{rows}</table>"
 

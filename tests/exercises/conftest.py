@@ -78,8 +78,10 @@ def reference_token_ids(engine_llm):
 
 
 def pytest_ignore_collect(collection_path, config):
-    # test_pristine_exercises.py checks that exercises/ is unsolved: not for a student's own files
-    if collection_path.name == "test_pristine_exercises.py" and config.getoption("--impl") == "exercises":
+    # test_pristine_exercises.py checks that exercises/ is unsolved, test_grader_messages.py grades
+    # the graders on planted mistakes: neither is about a student's own files
+    if collection_path.name in ("test_pristine_exercises.py", "test_grader_messages.py") \
+            and config.getoption("--impl") == "exercises":
         return True
     return None
 

@@ -19,24 +19,39 @@ def empty_int8_cache(shape):
     return caches + scales
 
 
-def check_written(actual, expected, case):
+def check_written(actual, expected, case, names=("k_cache", "v_cache", "k_scales", "v_scales")):
     """Codes and scales as the reference wrote them. The interpreter does the reference's
     float32 operations, so on a CPU they match exactly; a GPU's fp32 division is not
     IEEE-rounded, so there a code may be one step off and a scale one ulp."""
-    names = ("k_cache", "v_cache", "k_scales", "v_scales")
     for name, got, want in zip(names, actual, expected):
         got_f, want_f = got.float(), want.float()
         if not torch.equal(got_f.isnan(), want_f.isnan()) or not torch.equal(got_f == UNWRITTEN, want_f == UNWRITTEN):
-            fail(case, [f"{name}: written in the wrong slots -- token t goes to slot slot_mapping[t] (block "
+            fail(case, [scales_pattern(name, got_f, want_f) or
+                        f"{name}: written in the wrong slots -- token t goes to slot slot_mapping[t] (block "
                         "slot // block_size, row slot % block_size), padding (slot -1) writes nothing, and each "
                         "row's scale goes to the same (block, row, head) of the scales tensor"])
         diff = (got_f - want_f).nan_to_num(0.0).abs()
-        allowed = 0.0 if DEVICE == "cpu" else (1.0 if name.endswith("cache") else 1e-6 * want_f.nan_to_num(0).abs())
+        allowed = 0.0 if DEVICE == "cpu" else (1.0 if "cache" in name else 1e-6 * want_f.nan_to_num(0).abs())
         if (diff > allowed).any():
             worst = diff.max().item()
             fail(case, [f"{name}: values differ (largest difference {worst:.3g}) -- codes are "
                         "floor(x * (127 / absmax) + 0.5) clamped to [-127, 127], the scale is absmax / 127, "
                         "all in float32"])
+
+
+def scales_pattern(name, got, want):
+    """What a scales tensor [..., Hkv] written in the wrong places points to, or None: each
+    token wrote one scale, at kv head 0, where it should write one per head."""
+    if "scales" not in name or got.dim() < 2 or got.shape[-1] < 2:
+        return None
+    written, expected = ~got.isnan(), ~want.isnan()
+    if torch.equal(written[..., 0], expected[..., 0]) and not written[..., 1:].any() and expected[..., 1:].any():
+        others = "head 1 is" if got.shape[-1] == 2 else f"heads 1..{got.shape[-1] - 1} are"
+        return (f"{name}: only kv head 0's scales are written, once per token; {others} left untouched -- "
+                "every head wrote its scale at head 0's place: the scale of (block, row, head) "
+                "is at block * stride(0) + row * stride(1) + head, so add the head to the scale's offset (as the "
+                "codes' offset has head * stride_head)")
+    return None
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -75,7 +90,8 @@ def test_one_layer_of_a_stacked_cache(ex):
                        expected_scales[1, 0], expected_scales[1, 1])
     check_written([kv_cache.flatten(0, 2), kv_scales.flatten(0, 2)],
                   [expected_cache.flatten(0, 2), expected_scales.flatten(0, 2)],
-                  "layer 1 of a stacked cache (blocks of all layers in a row)")
+                  "layer 1 of a stacked cache (blocks of all layers in a row)",
+                  names=("kv_cache (codes of every layer)", "kv_scales (scales of every layer)"))
 
 
 @pytest.mark.parametrize("row,why", [
@@ -95,11 +111,32 @@ def test_codes_exactly_as_the_reference_rounds(ex, row, why):
     check_written(actual, expected, why)
 
 
+def test_each_kv_head_has_its_own_scale(ex):
+    """Two tokens of four kv heads, head h's rows about 4**h in size: every head's scale is
+    its own absmax / 127, at [block, row, head] of the scales tensor."""
+    gen = torch.Generator().manual_seed(5)
+    rows = randn_view(2, 4, 16, gen=gen) * torch.tensor([1.0, 4.0, 16.0, 64.0], device=DEVICE)[:, None]
+    actual = empty_int8_cache((2, 16, 4, 16))
+    expected = [t.clone() for t in actual]
+    slots = torch.tensor([3, 20], device=DEVICE)
+    ex.store_kv(rows, rows, actual[0], actual[1], slots, actual[2], actual[3])
+    reference.store_kv(rows, rows, expected[0], expected[1], slots, expected[2], expected[3])
+    check_written(actual[2:], expected[2:], "one scale per kv head (2 tokens, 4 kv heads of different sizes)",
+                  names=("k_scales", "v_scales"))
+    check_written(actual, expected, "one scale per kv head (2 tokens, 4 kv heads of different sizes)")
+
+
 def test_round_trip_is_within_half_a_step(ex):
     gen = torch.Generator().manual_seed(3)
     k = randn_view(16, 2, 64, gen=gen) * 5
     cache, _, scales, _ = empty_int8_cache((1, 16, 2, 64))
     ex.store_kv(k, k, cache, cache.clone(), torch.arange(16, device=DEVICE), scales, scales.clone())
+    expected_scales = k.abs().amax(-1).clamp(min=1e-12) / 127                          # [tokens, kv heads]
+    if not torch.allclose(scales[0], expected_scales, rtol=1e-6, atol=0):
+        wrong = (~torch.isclose(scales[0], expected_scales, rtol=1e-6, atol=0)).any(0).nonzero().flatten().tolist()
+        fail("round trip of 16 rows", [f"k_scales of kv heads {wrong} are not their rows' absmax / 127 (missing or "
+                                       "misplaced: see the case 'one scale per kv head'), so the codes cannot be "
+                                       "judged here"])
     error = (reference.dequantize(cache[0], scales[0]) - k).abs()
     if (error > scales[0, :, :, None] * (0.5 + 1e-5)).any():
         fail("round trip of 16 rows", [f"|codes * scale - x| reaches {error.max().item():.3g}, more than half a "

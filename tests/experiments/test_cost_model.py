@@ -144,3 +144,17 @@ def test_simulate_times_its_steps_as_the_profiled_model_times_a_recorded_trace()
     assert len({len(s.scheduled) for s in steps}) > 3          # batches of several sizes
     for step in steps:
         assert step.timings["forward"] == pytest.approx(model.step_time(step.scheduled), rel=1e-12)
+
+
+def test_a_fitted_model_says_where_its_traces_were_recorded():
+    # a figure of a simulation names where its cost model was recorded ("unknown machine" was
+    # all a model fitted seconds earlier could say)
+    from llmlab.machine import recorded_on
+
+    shapes = [decodes(n) for n in range(1, 9)] * 3
+    trace = trace_of(lambda items: 0.01 + 0.001 * len(items), shapes)        # a Recorder's trace: no machine
+    assert CostModel.fit(trace).meta["recorded_on"] == recorded_on("cpu")    # this process recorded it
+    trace.meta["machine"] = {"device": "Some CPU", "cores": 64, "torch_threads": 8, "torch": "9.9", "gpu": False}
+    assert CostModel.fit(trace).meta["recorded_on"] == "CPU (64 cores), torch 9.9, 8 threads"   # run()'s record
+    trace.meta["recorded_on"] = "NVIDIA H200, torch 9.9, Triton 9.9"                           # a saved trace's
+    assert CostModel.fit(trace).meta["recorded_on"] == "NVIDIA H200, torch 9.9, Triton 9.9"

@@ -203,6 +203,7 @@ def test_run_measures_every_request_on_the_wall_clock():
     summary = result.summary()
     assert summary["num_finished"] == 8 and summary["output_tok_s"] > 0
     assert result.trace.meta["engine"]["num_gpu_blocks"] == 64 and not engine.has_unfinished_requests()
+    assert result.trace.meta["machine"] == result.meta["machine"]    # a cost model fitted on it says where
 
 
 def test_each_run_starts_from_a_cold_prefix_cache():
@@ -330,5 +331,5 @@ def test_figures_draw_what_the_results_hold():
     # a measured run says which machine measured it, and that it was busy
     busy = Result.from_trace(hand_built_trace(), meta={"kind": "run", "machine": {
         "device": "Some CPU", "cores": 2, "torch_threads": 1, "load": 7.5, "gpu": False}})
-    note = latency_cdf(busy).layout.annotations[-1].text
+    note = latency_cdf(busy).layout.title.text          # under the title, above the subplot titles
     assert "Some CPU" in note and "BUSY" in note

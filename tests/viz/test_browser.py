@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers.browser import CHROMIUM, CHROMIUM_ARGS, skip_without_chromium
+
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 NOTEBOOKS = ["04_paged_kv_cache.ipynb", "06_iteration_level_scheduling.ipynb", "08_preemption.ipynb"]
 RUN_ALL_TIMEOUT_MS = 420_000    # a notebook's Run All on a loaded 2-core CI machine
@@ -56,9 +55,7 @@ def free_port() -> int:
 def lab(tmp_path_factory):
     """JupyterLab with default settings (a fresh, empty settings folder) on 127.0.0.1, serving
     copies of the notebooks; yields (url, token) and shuts it and its kernels down after."""
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium; .ci/run installs it)")
-    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is missing")
+    skip_without_chromium()
     pytest.importorskip("jupyterlab", reason="jupyterlab is missing")
     tmp = tmp_path_factory.mktemp("browser")
     root = tmp / "notebooks"
@@ -175,7 +172,7 @@ def titled(box, prefix):
 
 def click_and_wait(box, button, prefix, title=None, timeout=120_000):
     """Click a widget's button; wait until the figure whose title starts with `prefix` changes
-    (to `title`, when given: Run N redraws after every step)."""
+    (to `title`, when given: a long Run N redraws before its end too)."""
     before = titled(box, prefix)
     box.get_by_role("button", name=button, exact=True).click()
     box.page.wait_for_function(

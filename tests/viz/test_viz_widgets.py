@@ -3,6 +3,7 @@ and its status; a block playground that never loses a request and says why an op
 failed in one line; exercise 09's allocator in the playground; timing figures that name
 their machine and take medians over repeats."""
 import io
+import sys
 from contextlib import redirect_stdout
 
 import pytest
@@ -53,6 +54,19 @@ def test_every_figure_numbers_steps_from_the_start_of_the_trace(engine):
         viz.block_table(trace, len(trace.steps))
 
 
+def test_record_can_show_its_progress_and_requests_in_cache_counts_the_running(engine, capsys):
+    from llmlab.viz import kv_quant_figures
+
+    trace = viz.record(engine, arrivals(), use_tqdm="tiny engine")
+    err = capsys.readouterr().err
+    assert "tiny engine: 100%" in err and "2/2" in err                  # requests finished, of 2
+    viz.record(engine, arrivals())
+    assert capsys.readouterr().err == ""
+    fig = kv_quant_figures.requests_in_cache({"tiny": trace}, num_requests=2)
+    assert list(fig.data[0].y) == [len(step.block_tables) for step in trace.steps]
+    assert fig.layout.shapes[0].y0 == 2                                  # the line of "all 2 requests"
+
+
 def test_stepper_status_slider_and_title_agree_after_reset(engine):
     pytest.importorskip("ipywidgets")
     stepper = viz.Stepper(engine, arrivals())
@@ -69,6 +83,85 @@ def test_stepper_status_slider_and_title_agree_after_reset(engine):
     stepper._slider.value = 1
     assert stepper.figures["block_table"].layout.title.text == "KV block table after step 1"
     assert "showing step 1 of 0..2" in stepper._status.value
+
+
+def status_counts(status: str) -> str:
+    """The status line after its "N steps run (showing ...)" head: the counts of the step shown."""
+    return status.split("&middot;", 1)[1]
+
+
+def test_stepper_slider_rewinds_the_status_and_the_texts_with_the_figures(engine):
+    pytest.importorskip("ipywidgets")
+    stepper = viz.Stepper(engine, arrivals())
+    stepper.widget
+    seen = []                                   # what the UI showed after each step, run one by one
+    while not stepper.done:
+        stepper.step(1)
+        seen.append((status_counts(stepper._status.value), stepper._texts.value))
+    last = len(stepper.trace.steps) - 1
+    assert len(seen) == last + 1 >= 3 and "all done" in seen[-1][0]
+    for index in range(last):                   # back through the slider: all three follow it
+        stepper._slider.value = index
+        assert stepper.figures["block_table"].layout.title.text == f"KV block table after step {index}"
+        assert f"showing step {index} of 0..{last}" in stepper._status.value
+        assert (status_counts(stepper._status.value), stepper._texts.value) == seen[index], index
+    stepper._slider.value = 0
+    assert "1 still to arrive" in stepper._status.value          # request 1 arrives before step 1
+    stepper._slider.value = last                # the newest step: live again
+    assert (status_counts(stepper._status.value), stepper._texts.value) == seen[-1]
+
+
+def counting_updates(stepper) -> dict:
+    """How many times each of the stepper's figures is sent to the front end, from now on."""
+    counts = {name: 0 for name in stepper._views}
+    for name, view in stepper._views.items():
+        def update(fig, name=name, update=view.update):
+            counts[name] += 1
+            update(fig)
+        view.update = update
+    return counts
+
+
+def test_run_n_draws_once_at_the_end(engine):
+    pytest.importorskip("ipywidgets")
+    stepper = viz.Stepper(engine, arrivals())
+    stepper.widget
+    stepper.REDRAW_EVERY_S = float("inf")       # a run quicker than the redraw period
+    counts = counting_updates(stepper)
+    stepper.step(4)
+    assert len(stepper.trace.steps) == 4 and set(counts.values()) == {1}
+    assert stepper.figures["block_table"].layout.title.text == "KV block table after step 3"
+    stepper.step(1)                             # Step draws each time
+    assert set(counts.values()) == {2}
+    stepper.reset()
+    stepper.REDRAW_EVERY_S = 0.0                # a run slower than it: redrawn as it goes
+    counts = counting_updates(stepper)
+    stepper.step(3)
+    assert set(counts.values()) == {3}
+
+
+def test_a_figure_view_sends_only_what_changed():
+    pytest.importorskip("ipywidgets")
+    import plotly.graph_objects as go
+
+    def figure(y, title="t"):
+        return go.Figure([go.Bar(x=[0, 1], y=[1, 2], name="a"), go.Bar(x=[0, 1], y=y, name="b")],
+                         go.Layout(title=title, height=300))
+    view = viz.FigureView(figure([3, 4]))
+    if not view.in_place:
+        pytest.skip("no FigureWidget (anywidget is missing): the view redraws whole figures")
+    sent = []
+    for index, trace in enumerate(view.widget.data):
+        trace.update = lambda *args, index=index, update=trace.update, **kwargs: (sent.append(index),
+                                                                                   update(*args, **kwargs))
+    relayout = view.widget.update_layout
+    view.widget.update_layout = lambda *args, **kwargs: (sent.append("layout"), relayout(*args, **kwargs))
+    view.update(figure([3, 5]))                 # one bar of the second trace
+    assert sent == [1] and list(view.widget.data[1].y) == [3, 5]
+    view.update(figure([3, 5], title="u"))      # the title only
+    assert sent == [1, "layout"] and view.widget.layout.title.text == "u"
+    view.update(figure([3, 5], title="u"))      # nothing
+    assert sent == [1, "layout"]
 
 
 def test_stepper_chat_sends_prompts_through_the_chat_template(engine):
@@ -165,7 +258,52 @@ def test_exercise_09_allocator_in_the_playground():
     assert list(fig.data[0].text[0][:3]) == ["4", "2", "3"]          # tokens per block
     with pytest.raises(ValueError, match="no host memory"):
         playground.swap_out("a")
+    # no host memory, no empty "host 0/0" panel under the device pool
+    assert [t.y[0] for t in fig.data if t.type == "heatmap"] == ["device pool"]
+    assert not [a.text for a in fig.layout.annotations if a.text.startswith("host")]
     assert playground.free("a") == [1] and playground.free("b") == [0, 2]     # block 0 was shared to the end
+
+
+def half_written(method):
+    """The solution's BlockAllocator with `method` still the exercise's `raise NotImplementedError`."""
+    from solutions.ex09_block_allocator import BlockAllocator
+
+    def unwritten(self, *args):
+        raise NotImplementedError(f"ex09: write BlockAllocator.{method}")
+    return type("HalfWritten", (BlockAllocator,), {method: unwritten})
+
+
+def test_unwritten_methods_of_exercise_09():
+    from exercises.ex09_block_allocator import BlockAllocator as Pristine
+    from solutions.ex09_block_allocator import BlockAllocator as Solution
+
+    assert viz.unwritten_methods(Pristine) == ["allocate", "append_slot", "fork", "free"]
+    assert viz.unwritten_methods(Solution) == []
+    for method in ("allocate", "append_slot", "fork", "free"):      # one left: that one, whichever it is
+        assert viz.unwritten_methods(half_written(method)) == [method]
+
+
+def test_notebook_04_runs_its_exercise_09_cell_on_a_half_written_allocator(monkeypatch):
+    """Run All must not stop at the playground of exercise 09 while the student is half-way
+    (allocate written, fork not: it checked allocate only); it shows the solution and says why."""
+    import json
+    import pathlib
+    import types
+
+    from solutions.ex09_block_allocator import BlockAllocator as Solution
+
+    notebook = json.loads((pathlib.Path(__file__).parents[2] / "notebooks" / "04_paged_kv_cache.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in notebook["cells"]
+                if c["cell_type"] == "code" and "exercises.ex09_block_allocator" in "".join(c["source"]))
+    yours = types.ModuleType("exercises.ex09_block_allocator")
+    yours.BlockAllocator = half_written("fork")
+    monkeypatch.setitem(sys.modules, "exercises.ex09_block_allocator", yours)
+    monkeypatch.setattr(sys, "path", list(sys.path))      # the cell puts the repo root on it
+    namespace, out = {"viz": viz}, io.StringIO()
+    with redirect_stdout(out):
+        exec(compile(cell, "notebook 04", "exec"), namespace)
+    assert "NOTE: exercise 09 still has fork to write" in out.getvalue()
+    assert type(namespace["mine"].block_manager) is Solution
 
 
 # ---- timings ----------------------------------------------------------------------------------

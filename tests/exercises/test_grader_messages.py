@@ -1,0 +1,107 @@
+"""The graders say what is wrong: each planted mistake (a solution with one bug put in) fails
+the case that isolates it, with a message that names the mistake and what to check, not a
+bare assert nor a hint about another mistake.
+
+Grades the graders, not a student's work: not collected with --impl=exercises (conftest.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import types
+
+import pytest
+
+import test_ex09_block_allocator as ex09
+import test_ex12_quantized_store_kv as ex12
+from grading import load
+
+
+# ---- exercise 09: three allocators with one bug each -----------------------------------------------
+def allocator_module(**methods):
+    """exercise 09's API: the solution's BlockAllocator with `methods` replaced."""
+    solution = load("solutions", "ex09_block_allocator")
+    planted = type("Planted", (solution.BlockAllocator,), methods)
+    return types.SimpleNamespace(BlockAllocator=planted, OutOfBlocksError=solution.OutOfBlocksError)
+
+
+def free_twice(self, seq_id):
+    table = self.block_tables.pop(seq_id)
+    del self.seq_lens[seq_id]
+    for block in table + table:                # the bug: every block released twice
+        self.ref_counts[block] = max(0, self.ref_counts[block] - 1)
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+
+def free_never(self, seq_id):
+    for block in self.block_tables.pop(seq_id):
+        self.ref_counts[block] -= 1            # the bug: a block at 0 never goes back to free_blocks
+    del self.seq_lens[seq_id]
+
+
+def fork_without_a_reference(self, parent_id, child_id):
+    self.block_tables[child_id] = list(self.block_tables[parent_id])   # the bug: no ref_counts[b] += 1
+    self.seq_lens[child_id] = self.seq_lens[parent_id]
+
+
+@pytest.mark.parametrize("methods,test,message", [
+    (dict(free=free_twice), ex09.test_free,
+     r"case free a sequence of 9 tokens.*: block\(s\) \[0, 1, 2\] are in free_blocks twice\n  -> a block was freed twice"),
+    (dict(free=free_never), ex09.test_free,
+     r"case free a sequence of 9 tokens.*: block 0 is held by no sequence but is not in free_blocks: it leaked"),
+    (dict(fork=fork_without_a_reference), ex09.test_fork_shares_every_block,
+     r"case fork a sequence of 6 tokens.*reference counts are \[1, 1\], expected \[2, 2\]\n  -> fork adds 1 to the "
+     r"count of every block the child shares"),
+], ids=["a block freed twice", "a block never freed", "a fork that takes no reference"])
+def test_exercise_09_names_the_planted_mistake(methods, test, message):
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(allocator_module(**methods))
+
+
+def test_exercise_09_never_fails_with_a_bare_assert():
+    """Every planted allocator fails each test it fails through a report (pytest.fail), never
+    an AssertionError that prints `assert (2 == 2 and 2 == 1)`."""
+    tests = [f for name, f in vars(ex09).items() if name.startswith("test_")]
+    for methods in (dict(free=free_twice), dict(free=free_never), dict(fork=fork_without_a_reference)):
+        for test in tests:
+            try:
+                test(allocator_module(**methods))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except AssertionError as error:
+                pytest.fail(f"{test.__name__} with {sorted(methods)} planted: a bare assert ({error})")
+
+
+# ---- exercise 12: the scale of every kv head written at head 0 ---------------------------------------
+@pytest.fixture(scope="module")
+def scale_without_head_offset(tmp_path_factory):
+    """The solution with the head left out of the scale's offset: every kv head of a token
+    writes its scale at head 0's place. A file of its own, as Triton reads a kernel's source."""
+    solution = load("solutions", "ex12_quantized_store_kv")
+    source = inspect.getsource(solution)
+    line = "scale_dst = block * stride_scale_block + offset * stride_scale_slot + head"
+    assert source.count(line) == 1, "the solution's scale offset moved: update this planted mistake"
+    path = tmp_path_factory.mktemp("planted") / "ex12_scale_without_head.py"
+    path.write_text(source.replace(line, "scale_dst = block * stride_scale_block + offset * stride_scale_slot"))
+    spec = importlib.util.spec_from_file_location("ex12_scale_without_head", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_exercise_12_names_a_missing_per_head_scale_offset(scale_without_head_offset):
+    planted = scale_without_head_offset
+    with pytest.raises(pytest.fail.Exception, match=r"case one scale per kv head.*k_scales: only kv head 0's scales "
+                                                    r"are written.*add the head to the scale's offset"):
+        ex12.test_each_kv_head_has_its_own_scale(planted)
+    # the other cases it fails name the scales too: not "v_cache" (the stacked case once named
+    # the scales tensor so), not "don't truncate" (the round trip)
+    for case in (lambda: ex12.test_one_layer_of_a_stacked_cache(planted),
+                 lambda: ex12.test_matches_reference(planted, 16, 3, 64),
+                 lambda: ex12.test_round_trip_is_within_half_a_step(planted)):
+        with pytest.raises(pytest.fail.Exception) as report:
+            case()
+        message = str(report.value)
+        assert "scales" in message and "v_cache" not in message and "truncate" not in message, message

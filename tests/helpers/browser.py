@@ -1,0 +1,60 @@
+"""Debian's chromium through Playwright's Python package (Playwright's own browser download
+cannot work offline; .ci/run installs chromium), and plotly figures measured where a browser
+drew them."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def skip_without_chromium() -> None:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium; .ci/run installs it)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is missing")
+
+
+# The boxes (page pixels) of what plotly drew above and around each figure's plot area: the
+# title, every annotation (subplot titles among them), the legend and the toolbar (modebar),
+# and the text of every tick label. `root` is an element that holds the figures (or the page).
+READ_LAYOUT = """(root) => [...(root || document).querySelectorAll('.js-plotly-plot')].map(gd => {
+    const box = el => { const r = el.getBoundingClientRect();
+                        return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+    const text = gd.querySelector('.g-gtitle text');
+    const labels = [];
+    if (text && text.textContent) labels.push({what: 'title', text: text.textContent, ...box(text)});
+    gd.querySelectorAll('.annotation').forEach(a => {
+        const t = a.querySelector('.annotation-text');
+        if (t && t.textContent) labels.push({what: 'annotation', text: t.textContent, ...box(t)});
+    });
+    const table = gd.querySelector('.table');
+    if (table) labels.push({what: 'table', text: 'table', ...box(table)});
+    const legend = gd.querySelector('.legend .bg');
+    if (legend) labels.push({what: 'legend', text: 'legend', ...box(legend)});
+    const modebar = gd.querySelector('.modebar');
+    if (modebar) labels.push({what: 'toolbar', text: 'toolbar', ...box(modebar)});
+    const ticks = {};
+    gd.querySelectorAll('.xtick text, .ytick text').forEach(t => {
+        const axis = t.closest('[class*="tick"]').className.baseVal;
+        (ticks[axis] = ticks[axis] || []).push(t.textContent);
+    });
+    const title = gd.layout && gd.layout.title;
+    return {title: String((title && (title.text !== undefined ? title.text : title)) || ''), labels, ticks};
+})"""
+
+
+def overlaps(a: dict, b: dict, slack: float = 1.0) -> bool:
+    """Whether two boxes share more than `slack` pixels each way."""
+    return (min(a["right"], b["right"]) - max(a["left"], b["left"]) > slack
+            and min(a["bottom"], b["bottom"]) - max(a["top"], b["top"]) > slack)
+
+
+def overlapping_labels(figure: dict) -> list[str]:
+    """Pairs of a figure's labels (READ_LAYOUT) drawn over each other, as readable lines."""
+    labels = figure["labels"]
+    return [f"{a['what']} {a['text'][:60]!r} overlaps {b['what']} {b['text'][:60]!r}"
+            for i, a in enumerate(labels) for b in labels[i + 1:] if overlaps(a, b)]
