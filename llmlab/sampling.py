@@ -163,8 +163,7 @@ class Sampler:
             for params in ((sampled * rows)[:rows], (sampled * rows)[:rows - 1] + [SamplingParams()]):
                 self(logits, params, list(range(rows)), [0] * rows).tolist()
 
-    @staticmethod
-    def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def processed_logits(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The logits the sampler draws from, float32 [S, V]: scaled by 1/temperature and cut
         by top-k, top-p and min-p (-inf where cut). A greedy row keeps its raw logits (its
         one-hot distribution has no use as scores: vLLM's logprobs of a greedy request are
@@ -177,7 +176,7 @@ class Sampler:
         top_k = torch.tensor([-1 if p.greedy else _top_k(p.top_k, x.shape[-1]) for p in params], device=device)
         top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
         min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device)
-        return kernels.filter_logits(x * (1.0 / temperature)[:, None], top_k, top_p, min_p)
+        return kernels.filter_logits(x * (1.0 / temperature)[:, None], top_k, top_p, min_p, backend=self.backend)
 
     def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], sampled: torch.Tensor):
         """The sampled tokens' log-probabilities for the rows whose params ask for them
@@ -198,7 +197,7 @@ class Sampler:
         top_k = torch.tensor([_top_k(p.top_k, logits.shape[-1]) for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-        x = kernels.filter_logits(logits.float() * (1.0 / temperature)[:, None], top_k, top_p, min_p)
+        x = kernels.filter_logits(logits.float() * (1.0 / temperature)[:, None], top_k, top_p, min_p, backend="reference")
         probs = x.softmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
@@ -234,11 +233,14 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list, ks: list[int]) -> TokenLogprobs:
     """logits [R, V] (float), token_ids [R] -> the tokens' log-probabilities under
     log_softmax(logits) and each row's `ks[i]` most likely tokens, most likely first."""
-    logprobs = logits.float().log_softmax(dim=-1)
+    # log_softmax(x) = x - logsumexp(x): only the gathered and top-k entries are ever needed,
+    # so the [R, V] log-probabilities are never written out
+    x = logits.float()
+    log_z = x.logsumexp(dim=-1, keepdim=True)
     token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-    top, top_ids = logprobs.topk(max(ks, default=0), dim=-1)
-    return TokenLogprobs(rows, token_ids, chosen, top_ids, top, ks)
+    chosen = (x.gather(1, token_ids[:, None]) - log_z)[:, 0]
+    top, top_ids = x.topk(max(ks, default=0), dim=-1)
+    return TokenLogprobs(rows, token_ids, chosen, top_ids, top - log_z, ks)
 
 
 # ---- prompt logprobs: extra logits rows of a step (`plan`: the scheduler's Plan, plan.py) ----

@@ -173,6 +173,30 @@ def test_flat_rows_and_a_deep_top_k():
     assert torch.equal(kernels.sample(*args, backend="torch"), reference.sample(*args))
 
 
+@pytest.mark.parametrize("case", ["random", "rejection", "deep", "ties"])
+def test_torch_filter_keeps_the_references_set(case):
+    """kernels.filter_logits on the torch backend (the processed logprobs' filter) finds the
+    cut among candidates, not by sorting every row: it must keep exactly the spec's tokens."""
+    if case == "random":
+        logits, temperature, top_k, top_p, min_p = random_batch(24, 3000, seed=11)[:5]
+    elif case == "rejection":
+        logits, temperature, top_k, top_p, min_p = rejection_batch(4)[:5]
+    elif case == "deep":     # cuts deep in a flat vocabulary: wider candidate sets, then a full sort
+        logits = torch.randn(6, 20000, generator=torch.Generator().manual_seed(5)) * 0.3
+        temperature = torch.ones(6)
+        top_k = torch.tensor([-1, 3000, 15000, 100, -1, 9000], dtype=torch.int32)
+        top_p, min_p = torch.tensor([0.95, 1.0, 0.99, 0.5, 1.0, 0.9]), torch.tensor([0.0, 0.1, 0, 0, 0.5, 0])
+    else:                    # ties at every cut
+        logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, -1.0]] * 4)
+        temperature = torch.ones(4)
+        top_k = torch.tensor([2, -1, 1, 5], dtype=torch.int32)
+        top_p, min_p = torch.tensor([1.0, 0.5, 1.0, 0.7]), torch.tensor([0.0, 0.0, 0.0, 0.3])
+    x = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]   # (greedy rows: T = 1)
+    expected = reference.filter_logits(x, top_k, top_p, min_p)
+    assert torch.equal(kernels.filter_logits(x, top_k, top_p, min_p, backend="torch"), expected)
+    assert torch.equal(kernels.filter_logits(x, top_k, top_p, min_p, backend="reference"), expected)
+
+
 def test_greedy_rows_are_the_exact_argmax():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 1000, generator=gen)

@@ -185,10 +185,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)
 
 
-def filter_logits(x, top_k, top_p, min_p):
-    """The sampling filters (top-k, top-p, min-p) on scaled logits: the spec's
-    (`reference.filter_logits`), which `Sampler.probabilities` shows."""
-    return reference.filter_logits(x, top_k, top_p, min_p)
+def filter_logits(x, top_k, top_p, min_p, *, backend=None):
+    """The sampling filters (top-k, top-p, min-p) on scaled logits, as `Sampler.probabilities`
+    and processed logprobs need them: the spec's (`reference.filter_logits`, which sorts every
+    row) with backend "reference", else the torch backend's, which finds the same cut among a
+    row's top candidates (what the torch sampler does)."""
+    if (backend or default_backend()) == "reference":
+        return reference.filter_logits(x, top_k, top_p, min_p)
+    return torch_backend.filter_logits(x, top_k, top_p, min_p)
 
 
 def rms_norm(x, weight, eps, residual=None, *, backend=None):

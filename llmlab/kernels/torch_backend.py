@@ -251,6 +251,21 @@ def _rank_cut(x, top_k, top_p):
     return cut
 
 
+def filter_logits(x, top_k, top_p, min_p):
+    """reference.filter_logits with the top-k / top-p cut found among candidates (`_rank_cut`)
+    instead of a sort of every row: the same cut, so the same kept set. x [S, V] float."""
+    S, V = x.shape
+    top_k, top_p, min_p = (t.to(x.device) for t in (top_k, top_p, min_p))
+    k = torch.where((top_k <= 0) | (top_k > V), V, top_k).long()
+    cut = x.amax(dim=-1) + torch.log(min_p)            # min-p (log 0 = -inf: no cut)
+    ranked = ((k < V) | (top_p < 1)).nonzero()[:, 0]
+    if ranked.numel() == S:
+        cut = torch.maximum(cut, _rank_cut(x, k, top_p))
+    elif ranked.numel():
+        cut[ranked] = torch.maximum(cut[ranked], _rank_cut(x[ranked], k[ranked], top_p[ranked]))
+    return x.masked_fill(x < cut[:, None], float("-inf"))
+
+
 def _gumbel_noise(keys, token_ids, chunk=32768):
     """reference.gumbel_noise, bit for bit, in place and in cache-sized chunks (a flat row
     at temperature alone needs noise for most of the vocabulary)."""
