@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/llmlab demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests --nbval-lax $(NOTEBOOKS)
+	$(VENV)/bin/python -m pytest tests --nbval-lax $(NOTEBOOKS) --durations=25
 
 # The inner loop: every test not marked `slow` (no Triton interpreter, no processes, none over
 # ~5 s on a CPU), every folder of tests/ still has some; no notebooks. `make test` runs them all.
