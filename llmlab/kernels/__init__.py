@@ -187,12 +187,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 def filter_logits(x, top_k, top_p, min_p, *, backend=None):
     """The sampling filters (top-k, top-p, min-p) on scaled logits, as `Sampler.probabilities`
-    and processed logprobs need them: the spec's (`reference.filter_logits`, which sorts every
-    row) with backend "reference", else the torch backend's, which finds the same cut among a
-    row's top candidates (what the torch sampler does)."""
-    if (backend or default_backend()) == "reference":
-        return reference.filter_logits(x, top_k, top_p, min_p)
-    return torch_backend.filter_logits(x, top_k, top_p, min_p)
+    and processed logprobs need them. The torch backend finds the spec's cut among a row's top
+    candidates (what the torch sampler does); the others run the spec (`reference.filter_logits`,
+    a sort of every row), also "triton": the candidate search reads how far to widen on the
+    host, and on a GPU that wait stalls the overlapped steps more than the sort costs (H200,
+    256 sampled rows with logprobs: 0.57x against 0.74x of the run without)."""
+    if (backend or default_backend()) == "torch":
+        return torch_backend.filter_logits(x, top_k, top_p, min_p)
+    return reference.filter_logits(x, top_k, top_p, min_p)
 
 
 def rms_norm(x, weight, eps, residual=None, *, backend=None):
