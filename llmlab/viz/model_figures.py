@@ -24,6 +24,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from llmlab.viz.figures import REQUEST_COLORS
+from llmlab.viz.style import log_axis
 
 
 # ---- attention and sampling ----------------------------------------------------------------
@@ -51,16 +52,20 @@ def attention_heatmap(weights: torch.Tensor, tokens: list[str],
     return fig
 
 
-def token_distribution(probs: dict[str, torch.Tensor], tokenizer=None, top: int = 15) -> go.Figure:
+def token_distribution(probs: dict[str, torch.Tensor], tokenizer=None, top: int = 15, *,
+                       log_y: bool = False) -> go.Figure:
     """Next-token probabilities [vocab] under several settings, over the `top` most likely
-    tokens of the first one; the first setting's order is kept."""
+    tokens of the first one; the first setting's order is kept. `log_y`: a log axis, for
+    settings whose probabilities differ by orders of magnitude (a flat distribution's bars
+    would be invisible next to a sharp one's)."""
     first = next(iter(probs.values()))
     ids = first.topk(top).indices.tolist()
     labels = [repr(tokenizer.decode([i])) if tokenizer is not None else str(i) for i in ids]
     fig = go.Figure([go.Bar(name=name, x=labels, y=p[ids].tolist()) for name, p in probs.items()])
-    fig.update_layout(barmode="group", title="Next-token probabilities", yaxis_title="probability",
+    fig.update_layout(barmode="group", title="Next-token probabilities",
+                      yaxis_title="probability" + (" (log scale)" if log_y else ""), xaxis_title="token",
                       height=360, margin=dict(t=50, b=40))
-    return fig
+    return log_axis(fig) if log_y else fig
 
 
 # ---- what a kernel computes ----------------------------------------------------------------
@@ -303,6 +308,5 @@ def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True, machin
     fig = go.Figure([go.Bar(name=impl, x=shapes, y=[ms.get((s, impl)) for s in shapes],
                             hovertemplate="%{x}<br>" + impl + ": %{y:.4g} ms<extra></extra>") for impl in impls])
     fig.update_layout(barmode="group", title=title + (f"<br><sup>{machine}</sup>" if machine else ""),
-                      yaxis_title="ms per call" + (" (log scale)" if log_y else ""),
-                      yaxis_type="log" if log_y else "linear", height=380, margin=dict(t=60, b=40))
-    return fig
+                      yaxis_title="ms per call" + (" (log scale)" if log_y else ""), height=380, margin=dict(t=60, b=40))
+    return log_axis(fig) if log_y else fig

@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 from llmlab.hooks import Trace
 from llmlab.machine import is_busy, machine_note
 from llmlab.viz.figures import SHARED, STATE_COLORS
+from llmlab.viz.style import step_axis
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 
@@ -40,7 +41,7 @@ def phase_timings(trace: Trace | list[Trace]) -> go.Figure:
     runs = f" (median of {len(traces)} runs)" if len(traces) > 1 else " (one run)"
     fig.update_layout(barmode="stack", title=timing_title("Time per phase" + runs, traces, spread),
                       xaxis_title="engine step", yaxis_title="ms", height=340, margin=dict(t=70, b=40))
-    return fig
+    return step_axis(fig, num_steps)
 
 
 def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> str:

@@ -1,0 +1,59 @@
+"""llmlab.viz.style: titles below plotly's toolbar in every figure (also one a notebook builds
+with plain go.Figure), log axes by decades, step axes by whole steps."""
+import plotly.graph_objects as go
+import torch
+
+from llmlab import viz
+from llmlab.cache.block_manager import BlockManager
+from llmlab.hooks import StepRecord, Trace
+from llmlab.viz.style import TOOLBAR_PX
+
+
+def steps(n: int) -> Trace:
+    return Trace(steps=[StepRecord(step=i, total_device_blocks=8, free_device_blocks=7, total_host_blocks=2,
+                                   free_host_blocks=2, timings={"forward": 0.01}) for i in range(n)])
+
+
+def title_below_toolbar(fig: go.Figure) -> bool:
+    """What plotly.js draws: the figure's own title settings over its template's."""
+    title = fig.layout.title
+    template = fig.layout.template.layout.title
+    y = title.y if title.y is not None else template.y
+    yref = title.yref or template.yref
+    yanchor = title.yanchor or template.yanchor
+    pad = title.pad.t if title.pad.t is not None else template.pad.t
+    return (yref, y, yanchor) == ("container", 1.0, "top") and pad >= TOOLBAR_PX and template.automargin
+
+
+def test_every_kind_of_figure_puts_its_title_below_the_toolbar():
+    playground = viz.BlockPlayground(BlockManager(num_device_blocks=4, num_host_blocks=2, block_size=4))
+    playground.allocate("a", 5)
+    figures = [go.Figure(go.Bar(y=[1, 2])).update_layout(title="a notebook's own figure, with a long title"),
+               viz.batch_composition(steps(3)), viz.memory_usage(steps(3)), viz.phase_timings(steps(3)),
+               playground.figure(title="a long title " * 5),
+               viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1.0}], "kernels", machine="this machine")]
+    assert all(title_below_toolbar(fig) for fig in figures)
+
+
+def test_block_table_legend_sits_between_the_title_and_the_panels():
+    playground = viz.BlockPlayground(BlockManager(num_device_blocks=4, num_host_blocks=2, block_size=4))
+    fig = playground.figure()
+    legend_top_px = (1 - fig.layout.legend.y) * fig.layout.height
+    assert TOOLBAR_PX + 20 <= legend_top_px < fig.layout.margin.t
+
+
+def test_log_axes_tick_decades_as_powers_of_ten():
+    fig = viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1e-3}, {"shape": "s", "impl": "b", "ms": 2.0}], "t")
+    assert (fig.layout.yaxis.type, fig.layout.yaxis.dtick, fig.layout.yaxis.exponentformat) == ("log", 1, "power")
+    assert viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1.0}], "t", log_y=False).layout.yaxis.type != "log"
+    probs = {"sharp": torch.tensor([0.9, 0.09, 0.01]), "flat": torch.tensor([0.34, 0.33, 0.33])}
+    assert viz.token_distribution(probs, top=3, log_y=True).layout.yaxis.dtick == 1
+    assert viz.token_distribution(probs, top=3).layout.yaxis.type is None
+
+
+def test_step_axes_tick_whole_steps():
+    for figure in (viz.batch_composition, viz.memory_usage, viz.phase_timings, viz.request_timeline):
+        few = figure(steps(2))
+        assert (few.layout.xaxis.dtick, few.layout.xaxis.tickformat) == (1, "d"), figure.__name__
+        many = figure(steps(60))
+        assert many.layout.xaxis.dtick is None and many.layout.xaxis.tickformat == "d", figure.__name__
