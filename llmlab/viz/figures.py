@@ -146,7 +146,7 @@ def request_timeline(trace: Trace, *, x: str = "step", current_step: int | None 
         fig.add_trace(go.Bar(name=state, y=y, base=base, x=length, orientation="h",
                              marker_color=STATE_COLORS[state],
                              hovertemplate="%{y}: " + state + " from %{base} for %{x}<extra></extra>"))
-    fig.update_layout(barmode="overlay", title="Request timeline", height=140 + 28 * len(states),
+    fig.update_layout(barmode="overlay", title="Request timeline", height=140 + 28 * len(states), yaxis_title="request",
                       xaxis_title="engine step" if x == "step" else "time since first arrival (ms)",
                       shapes=_step_marker(current_step), margin=dict(t=50, b=40))
     fig.update_yaxes(categoryorder="array", categoryarray=[f"req {r}" for r in states], autorange="reversed")

@@ -119,6 +119,7 @@ def online_softmax_steps(x: torch.Tensor, running_max: list[float], running_sum:
     fig.add_trace(go.Scatter(x=list(range(n)), y=x.softmax(-1).tolist(), mode="markers", name="torch.softmax(x)",
                              marker=dict(color="black", size=5)), row=2, col=1)
     fig.update_xaxes(title_text="column j", row=2, col=1)
+    fig.update_yaxes(title_text="score x", row=1, col=1).update_yaxes(title_text="probability", row=2, col=1)
     fig.update_layout(title="Online softmax", height=560, barmode="overlay", margin=dict(t=70, b=40))
     return fig
 
@@ -292,7 +293,8 @@ def decode_splits(seq_lens: list[int], num_splits: int, block_n: int, block_tabl
                                hovertemplate="%{y}, logical block %{x}: split %{z}<extra></extra>"))
     kind = "PagedAttention v1" if num_splits == 1 else f"flash-decoding, {num_splits} splits"
     fig.update_layout(title=f"{kind}: which program reads which KV block (colour = split; text = physical block)",
-                      xaxis_title=f"logical KV block ({block_size} tokens each)", yaxis_autorange="reversed",
+                      xaxis_title=f"logical KV block ({block_size} tokens each)", yaxis_title="sequence",
+                      yaxis_autorange="reversed",
                       height=140 + 40 * len(seq_lens), margin=dict(t=50, b=40))
     return fig
 
@@ -308,5 +310,6 @@ def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True, machin
     fig = go.Figure([go.Bar(name=impl, x=shapes, y=[ms.get((s, impl)) for s in shapes],
                             hovertemplate="%{x}<br>" + impl + ": %{y:.4g} ms<extra></extra>") for impl in impls])
     fig.update_layout(barmode="group", title=title + (f"<br><sup>{machine}</sup>" if machine else ""),
-                      yaxis_title="ms per call" + (" (log scale)" if log_y else ""), height=380, margin=dict(t=60, b=40))
+                      xaxis_title="shape", yaxis_title="ms per call" + (" (log scale)" if log_y else ""), height=380,
+                      margin=dict(t=60, b=40))
     return log_axis(fig) if log_y else fig

@@ -158,6 +158,6 @@ def prefix_hits(trace: Trace) -> go.Figure:
                marker_color=STATE_COLORS["prefill"])])
     total = sum(prompt.values())
     rate = sum(hits.values()) / total if total else 0.0
-    fig.update_layout(barmode="stack", title=f"Prompt tokens: {rate:.0%} from the prefix cache",
-                      yaxis_title="prompt tokens", height=320, margin=dict(t=50, b=40))
+    fig.update_layout(barmode="stack", title=f"Prompt tokens: {rate:.0%} of them found in the prefix cache",
+                      xaxis_title="request", yaxis_title="prompt tokens", height=320, margin=dict(t=50, b=40))
     return fig

@@ -5,7 +5,7 @@ import torch
 
 from llmlab import viz
 from llmlab.cache.block_manager import BlockManager
-from llmlab.hooks import StepRecord, Trace
+from llmlab.hooks import RequestAdded, ScheduledRecord, StepRecord, Trace
 from llmlab.viz.style import TOOLBAR_PX
 
 
@@ -57,3 +57,23 @@ def test_step_axes_tick_whole_steps():
         assert (few.layout.xaxis.dtick, few.layout.xaxis.tickformat) == (1, "d"), figure.__name__
         many = figure(steps(60))
         assert many.layout.xaxis.dtick is None and many.layout.xaxis.tickformat == "d", figure.__name__
+
+
+def test_every_axis_has_a_title():
+    trace = steps(2)
+    trace.steps[0].scheduled = [ScheduledRecord("0", "prefill", 4, 0)]
+    trace.added = [RequestAdded("0", 4, 0.0)]
+    x = torch.randn(10)
+    figures = {"decode_splits": viz.decode_splits([40, 17], 2, 16),
+               "kernel_benchmark": viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1.0}], "t"),
+               "request_timeline": viz.request_timeline(trace), "prefix_hits": viz.prefix_hits(trace),
+               "online_softmax_steps": viz.online_softmax_steps(x, [x[:5].max().item(), x.max().item()],
+                                                                [1.0, 2.0], 5),
+               "token_distribution": viz.token_distribution({"p": torch.tensor([0.5, 0.3, 0.2])}, top=3)}
+    for name, fig in figures.items():
+        axes = [fig.layout[key] for key in fig.layout if key.startswith(("xaxis", "yaxis"))]
+        untitled = [axis.plotly_name for axis in axes if not (axis.title and axis.title.text)
+                    and not (axis.matches or axis.showticklabels is False)]
+        if name == "online_softmax_steps":     # shared x: only the lower panel is titled
+            untitled = [a for a in untitled if a != "xaxis"]
+        assert untitled == [], (name, untitled)
