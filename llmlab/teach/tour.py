@@ -27,17 +27,21 @@ def q1(answer):
 
 
 def q2(answer):
-    """With 4-token KV blocks (the engine in "Try this"), how many blocks does robots hold after step 0?"""
-    num_tokens = len(ground_truth.encode(ROBOTS))      # step 0 wrote its whole prompt to the cache
+    """With 4-token KV blocks (small_trace, in "Try this"), how many blocks does robots (req 1) hold
+    after step 2?"""
+    in_cache = len(ground_truth.encode(ROBOTS)) + 2    # its prompt, and the tokens sampled in steps 0 and 1
     blocks = integer(answer)
-    if blocks == math.ceil(num_tokens / 4):
-        return right(f"step 0 wrote robots' {num_tokens} prompt tokens; 4 fit in a block, the rest open another.")
-    if blocks == num_tokens:
-        return wrong("that is the number of tokens; a block holds 4 of them.")
-    if blocks == math.ceil(num_tokens / 16):
-        return wrong("that is with the default 16-token blocks; draw the 4-token engine's block table.")
-    return wrong("count the cells of the row 'req robots' in the block-size-4 table (or: its prompt tokens, "
-                 "4 to a block, rounded up).")
+    if blocks == math.ceil(in_cache / 4):
+        return right("the cache holds its prompt and the tokens that steps 1 and 2 fed back in, 4 to a block; "
+                     "the token sampled in step 2 is written by the next step.")
+    if blocks == math.ceil((in_cache + 1) / 4):
+        return wrong("the token sampled in step 2 is not in the cache yet: the step that reads it writes its "
+                     "key and value.")
+    if blocks == math.ceil(in_cache / 16):
+        return wrong("that is with the default 16-token blocks; draw small_trace's block table.")
+    if blocks in (in_cache, in_cache + 1):
+        return wrong("that counts tokens; a block holds 4 of them.")
+    return wrong("draw viz.block_table(small_trace, step=2) and count the cells of the row 'req 1'.")
 
 
 PHASES = {"a": "schedule", "b": "swap", "c": "prepare", "d": "forward", "e": "sample"}

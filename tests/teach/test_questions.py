@@ -18,7 +18,7 @@ INF_RATE_RESULT = {"rate": math.inf, "completed": 12, "failed": 0,
 
 RIGHT = {
     "00": {"q1": 3,             # robots: prefill + first token at step 0, 4 tokens -> its last at step 3
-           "q2": 2,             # its 6 prompt tokens in 4-token blocks
+           "q2": 2,             # 6 prompt tokens + 2 fed back by steps 1 and 2, 4 to a block
            "q3": "d"},          # forward
     "01": {"q1": 11520,         # 2 (K, V) x 30 layers x 3 kv heads x 64
            "q2": 27, "q3": 0, "q4": " sky"},
@@ -43,7 +43,8 @@ RIGHT = {
     "10": {"q1": 2,             # 0.5 < 0.75 <= 0.8
            "q2": 3,             # p >= 0.2 * 0.5
            "q3": 0.379},        # sqrt(0.5) / sum(sqrt(p))
-    "11": {"q1": 16.81, "q2": 300,      # (1300 - 400) / (4 - 1)
+    "11": {"q1": 16.81 / 4,             # the seed's gaps at rate 1, four times closer
+           "q2": 300,      # (1300 - 400) / (4 - 1)
            "q3": "b", "q4": INF_RATE_RESULT},
     "12": {"q1": long_prompts_last, "q2": 2048, "q3": "a"},     # 4 GiB / 2 MiB
     "13": {"q1": 195840,        # 2 x 30 x 16 x 3 x (64 + 4)
@@ -55,7 +56,7 @@ RIGHT = {
 
 # (notebook, question, a likely wrong answer, what its feedback must say)
 WRONG = [
-    ("00", "q1", 4, "counts steps from 1"), ("00", "q2", 6, "number of tokens"), ("00", "q2", 1, "16-token"),
+    ("00", "q1", 4, "counts steps from 1"), ("00", "q2", 3, "not in the cache yet"), ("00", "q2", 1, "16-token"), ("00", "q2", 8, "counts tokens"),
     ("00", "q3", "sample", "sample:"),
     ("01", "q1", 34560, "query heads"), ("01", "q1", 5760, "both the key and the value"), ("01", "q2", 3, "attention"),
     ("01", "q3", 6, "argmax"), ("01", "q4", "east", "textbook"),
@@ -72,7 +73,7 @@ WRONG = [
     ("09", "q3", 19, "whole blocks"), ("09", "q3", 24, "chain breaks"),
     ("10", "q1", 1, "reach 0.75"), ("10", "q1", 3, "third token"), ("10", "q2", 2, "relative"),
     ("10", "q3", 0.5, "divided by T"), ("10", "q3", 0.25, "not dividing probabilities"),
-    ("11", "q1", 11, "exponential"), ("11", "q2", 325, "E2E / tokens"), ("11", "q2", 225, "how many more"),
+    ("11", "q1", 16.81, "1 request per second"), ("11", "q1", 2.75, "on average"), ("11", "q2", 325, "E2E / tokens"), ("11", "q2", 225, "how many more"),
     ("11", "q3", "c", "poisson_arrivals"), ("11", "q4", {**INF_RATE_RESULT, "rate": 8.0}, "float('inf')"),
     ("12", "q1", lambda r: r.arrival_time, "admission number"), ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024
                                                                 else r.arrival_time, "compared"),
