@@ -5,24 +5,26 @@ from __future__ import annotations
 import torch
 
 from llmlab import kernels
+from llmlab.bench.common import LLAMA3_8B
 from llmlab.cache.kv_cache import bytes_per_block
+from llmlab.config import ModelConfig
 from llmlab.teach.check import choice, integer, right, wrong
-from llmlab.teach.ground_truth import embedded_config
 
 
 def q1(answer):
-    """How many bytes does one 16-token block of SmolLM2's int8 cache take (codes and scales, K and V,
-    every layer)?"""
+    """The notebook prints SmolLM2's bytes per block. How many bytes does one 16-token block of
+    Llama-3-8B's int8 cache take (32 layers, 8 kv heads of 128 channels; codes and scales, K and V)?"""
     n = integer(answer)
-    config = embedded_config()
+    config = ModelConfig.from_hf(LLAMA3_8B)
     if n == bytes_per_block(config, 16, torch.int8):
-        return right("every row of 64 codes carries one float32 scale: 68 bytes a row instead of 256 in float32.")
-    if n == bytes_per_block(config, 16, torch.float32):
-        return wrong("that is the float32 cache; an int8 code is one byte.")
-    if n == bytes_per_block(config, 16, torch.float32) // 4:
+        return right("every row of 128 codes carries one float32 scale: 132 bytes a row instead of 256 in "
+                     "bfloat16, about half the memory.")
+    if n == bytes_per_block(config, 16, torch.bfloat16):
+        return wrong("that is the bfloat16 cache; an int8 code is one byte.")
+    if n == bytes_per_block(config, 16, torch.bfloat16) // 2:
         return wrong("the codes alone; each row (one token, one kv head) also keeps its scale.")
-    return wrong("kv_stats()['bytes_per_block'] of an int8 engine, or count it: K and V, 30 layers, 16 tokens, "
-                 "3 kv heads, a row of 64 one-byte codes plus a 4-byte scale.")
+    return wrong("count it as the notebook does for SmolLM2: K and V x layers x 16 tokens x kv heads x (a row of "
+                 "one-byte codes + a 4-byte scale).")
 
 
 ROW = [0.02, -1.27, 0.5]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llmlab.engine.parallel.placement import stage_layers
 from llmlab.model.tensor_parallel import shard_config
-from llmlab.teach.check import close, fraction, integer, right, wrong
+from llmlab.teach.check import close, fraction, integer, integers, right, wrong
 from llmlab.teach.ground_truth import embedded_config
 
 
@@ -22,14 +22,16 @@ def q1(answer):
 
 
 def q2(answer):
-    """pipeline_parallel_size=4 (and no tensor parallelism): which rank holds layer 15?"""
-    rank = integer(answer)
-    expected = next(stage for stage, layers in enumerate(stage_layers(embedded_config().num_layers, 4))
-                    if 15 in layers)
-    if rank == expected:
+    """pipeline_parallel_size=4 (and no tensor parallelism): which layers does rank 2 hold? Answer
+    (first, last), e.g. (0, 7)."""
+    first_last = integers(answer)
+    stages = stage_layers(embedded_config().num_layers, 4)
+    if first_last == (stages[2][0], stages[2][-1]):
         return right("30 layers over 4 stages: 8, 8, 7 and 7, the first stages taking the extra ones (rank 0's "
                      "memory then sizes a cache every stage can mirror).")
-    if rank == int(15 // (30 / 4)):
+    if len(first_last) != 2:
+        return wrong("answer two numbers: the first layer and the last layer of rank 2.")
+    if first_last[0] == 15 or first_last[1] == 21:
         return wrong("30 layers do not split evenly over 4 stages; which stages get the extra layers?")
     return wrong("llmlab.engine.parallel.placement.stage_layers(30, 4) lists each stage's layers.")
 

@@ -6,11 +6,12 @@ from llmlab.config import EngineConfig
 from llmlab.experiments import CostModel, Workload, simulate
 from llmlab.teach.check import AnswerError, choice, integer, right, run_student_code, wrong
 
-LONG = 1024    # prompts longer than this go last in q1
+SHORT = 512    # q1: prompts of at most this many tokens are served first
 
 
-def long_prompts_last(request):
-    return (len(request.prompt_token_ids) > LONG, request.arrival_time)
+def short_prompts_first_then_fcfs(request):
+    num_tokens = len(request.prompt_token_ids)
+    return (0, num_tokens) if num_tokens <= SHORT else (1, request.arrival_time)
 
 
 def admission_order(policy) -> list[str]:
@@ -22,20 +23,22 @@ def admission_order(policy) -> list[str]:
 
 
 def q1(answer):
-    """Write a policy key function: prompts longer than 1024 tokens last, first come first served
-    otherwise (smaller key = served first). Put the function itself here."""
-    expected = admission_order(long_prompts_last)
+    """Write a policy key function: prompts of at most 512 tokens first, the shortest of them first;
+    then the longer prompts, first come first served (a smaller key is served first). Put the function
+    itself here."""
+    expected = admission_order(short_prompts_first_then_fcfs)
     try:
         got = admission_order(lambda request: run_student_code(answer, request))
     except TypeError as error:      # the scheduler sorts by the keys
         raise AnswerError(f"its keys cannot be compared with each other ({error}); return a number or a "
                           f"tuple") from None
     if got == expected:
-        return right("on a queue of 16 requests the simulator admitted them in the order asked for.")
+        return right("on a queue of 16 requests the simulator admitted them in the order asked for. A tuple "
+                     "key sorts by its first element, then the second: one key function, two rules.")
     where = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-    return wrong(f"on a test queue, admission number {where} went to another request than it should. Long "
-                 f"prompts (len(r.prompt_token_ids) > 1024) last; among each group, the earliest arrival "
-                 f"(r.arrival_time) first.")
+    return wrong(f"on a test queue, admission number {where} went to another request than it should. Short "
+                 f"prompts (len(r.prompt_token_ids) <= 512) come first, shortest first; the others after "
+                 f"them, the earliest arrival (r.arrival_time) first.")
 
 
 BYTES_PER_BLOCK = 2 * 32 * 8 * 128 * 16 * 2     # Llama-3-8B, bf16, 16 tokens: the notebook's formula

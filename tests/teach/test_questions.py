@@ -9,8 +9,9 @@ import pytest
 from llmlab import teach
 
 
-def long_prompts_last(request):          # notebook 12's task, done right
-    return (len(request.prompt_token_ids) > 1024, request.arrival_time)
+def short_prompts_first(request):        # notebook 12's task, done right
+    num_tokens = len(request.prompt_token_ids)
+    return (num_tokens > 512, num_tokens if num_tokens <= 512 else request.arrival_time)
 
 
 INF_RATE_RESULT = {"rate": math.inf, "completed": 12, "failed": 0,
@@ -46,11 +47,11 @@ RIGHT = {
     "11": {"q1": 16.81 / 4,             # the seed's gaps at rate 1, four times closer
            "q2": 300,      # (1300 - 400) / (4 - 1)
            "q3": "b", "q4": INF_RATE_RESULT},
-    "12": {"q1": long_prompts_last, "q2": 2048, "q3": "a"},     # 4 GiB / 2 MiB
-    "13": {"q1": 195840,        # 2 x 30 x 16 x 3 x (64 + 4)
+    "12": {"q1": short_prompts_first, "q2": 2048, "q3": "a"},     # 4 GiB / 2 MiB
+    "13": {"q1": 1081344,       # Llama-3-8B: 2 x 32 x 16 x 8 x (128 + 4)
            "q2": 50,            # round(0.5 / (1.27 / 127))
            "q3": "b"},
-    "14": {"q1": 2, "q2": 1,    # stages of 8, 8, 7, 7 layers
+    "14": {"q1": 2, "q2": (16, 22),     # stages of 8, 8, 7, 7 layers
            "q3": 2 / 3},
 }
 
@@ -75,13 +76,14 @@ WRONG = [
     ("10", "q3", 0.5, "divided by T"), ("10", "q3", 0.25, "not dividing probabilities"),
     ("11", "q1", 16.81, "1 request per second"), ("11", "q1", 2.75, "on average"), ("11", "q2", 325, "E2E / tokens"), ("11", "q2", 225, "how many more"),
     ("11", "q3", "c", "poisson_arrivals"), ("11", "q4", {**INF_RATE_RESULT, "rate": 8.0}, "float('inf')"),
-    ("12", "q1", lambda r: r.arrival_time, "admission number"), ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024
+    ("12", "q1", lambda r: r.arrival_time, "admission number"),
+    ("12", "q1", lambda r: (len(r.prompt_token_ids) > 1024, r.arrival_time), "admission number"), ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024
                                                                 else r.arrival_time, "compared"),
     ("12", "q1", lambda r: 1 / 0, "ZeroDivisionError"), ("12", "q2", 4096, "both K and V"),
     ("12", "q3", "b", "who waits"),
-    ("13", "q1", 737280, "float32"), ("13", "q1", 184320, "codes alone"), ("13", "q2", 63, "absmax"),
+    ("13", "q1", 2097152, "bfloat16"), ("13", "q1", 1048576, "codes alone"), ("13", "q2", 63, "absmax"),
     ("13", "q3", "a", "opposite"),
-    ("14", "q1", 1, "in turn"), ("14", "q2", 2, "extra layers"), ("14", "q3", 1.0, "who waits"), ("14", "q3", 0.5, "overlap"),
+    ("14", "q1", 1, "in turn"), ("14", "q2", (15, 22), "extra layers"), ("14", "q2", 2, "expected a tuple"), ("14", "q2", (16, 19, 22), "two numbers"), ("14", "q3", 1.0, "who waits"), ("14", "q3", 0.5, "overlap"),
 ]
 
 
