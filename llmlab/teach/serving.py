@@ -11,18 +11,20 @@ NUM_PROMPTS = 12
 
 
 def q1(answer):
-    """At 1 request per second with seed 0 (the notebook's first rate), how many seconds after the first
-    request does the twelfth one arrive?"""
+    """With the benchmark's seed (0) but 4 requests per second, how many seconds after the first request
+    does the twelfth one arrive?"""
     seconds = number(answer)
-    arrivals = poisson_arrivals(NUM_PROMPTS, 1.0, seed=0)
+    arrivals = poisson_arrivals(NUM_PROMPTS, 4.0, seed=0)
     if close(seconds, arrivals[-1], 0.05):
-        return right("Poisson arrivals at rate 1 are exponential gaps of mean 1 s, and these 11 gaps happen to "
-                     "add up to more than 11 s: the benchmark cell waits for them (and for the last answer), "
-                     "whatever the machine.")
-    if close(seconds, NUM_PROMPTS - 1, 0.05) or close(seconds, NUM_PROMPTS, 0.05):
-        return wrong("that is the mean; these arrivals are random draws (seeded): the gaps are exponential, "
-                     "not all 1 s.")
-    return wrong("llmlab.bench.serving.poisson_arrivals(12, 1.0, seed=0) gives every arrival time.")
+        return right("a seeded Poisson process draws the same exponential gaps at every rate, scaled by "
+                     "1/rate: the arrivals at 4 req/s are those at 1 req/s, four times closer together.")
+    if close(seconds, poisson_arrivals(NUM_PROMPTS, 1.0, seed=0)[-1], 0.05):
+        return wrong("that is at 1 request per second.")
+    if close(seconds, (NUM_PROMPTS - 1) / 4, 0.05) or close(seconds, NUM_PROMPTS / 4, 0.05):
+        return wrong("that is what the gaps give on average; these are random draws (seeded): look at what "
+                     "the same seed gave at 1 req/s.")
+    return wrong("llmlab.bench.serving.poisson_arrivals(12, 4.0, seed=0) gives every arrival time; or scale "
+                 "the printed arrivals at 1 req/s.")
 
 
 def q2(answer):
