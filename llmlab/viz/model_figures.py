@@ -24,7 +24,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from llmlab.viz.figures import REQUEST_COLORS
-from llmlab.viz.style import log_axis
+from llmlab.viz.style import log_axis, title_with_note
 
 
 # ---- attention and sampling ----------------------------------------------------------------
@@ -309,7 +309,7 @@ def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True, machin
     ms = {(r["shape"], r["impl"]): r["ms"] for r in rows if "ms" in r}
     fig = go.Figure([go.Bar(name=impl, x=shapes, y=[ms.get((s, impl)) for s in shapes],
                             hovertemplate="%{x}<br>" + impl + ": %{y:.4g} ms<extra></extra>") for impl in impls])
-    fig.update_layout(barmode="group", title=title + (f"<br><sup>{machine}</sup>" if machine else ""),
+    fig.update_layout(barmode="group", title=title_with_note(title, machine),
                       xaxis_title="shape", yaxis_title="ms per call" + (" (log scale)" if log_y else ""), height=380,
                       margin=dict(t=60, b=40))
     return log_axis(fig) if log_y else fig

@@ -9,8 +9,12 @@ Two helpers style axes whose ticks depend on the data:
 
     log_axis(fig)                  # decades: 10⁻⁶, 10⁻⁵, ... instead of plotly's "5, 2, 1µ, 5, 2"
     step_axis(fig, num_steps)      # engine steps are whole numbers: no tick at step 0.2
+
+and `title_with_note(title, note)` puts a second, smaller line under a title.
 """
 from __future__ import annotations
+
+import math
 
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -27,13 +31,39 @@ pio.templates.default = "plotly+llmlab"
 SMALL_STEP_RANGE = 20   # up to this many steps, tick every step; past it plotly's own ticks are whole
 
 
+def title_with_note(title: str, note: str | None = None) -> dict:
+    """A figure's title with a smaller line under it (which machine measured it, say), as
+    plotly's subtitle: a "<br>" inside the title text would be drawn upwards from its first
+    line, into the toolbar."""
+    return dict(text=title, subtitle=dict(text=note)) if note else dict(text=title)
+
+
 def log_axis(fig: go.Figure, axis: str = "y", **selector) -> go.Figure:
-    """A log-scale axis ticked once per decade and labelled as powers of ten (10⁻⁶), not with
-    plotly's default in-between ticks ("5, 2, 1µ, 5, 2") that read like a linear scale.
-    `selector` (row=, col=) picks one subplot's axis."""
+    """A log-scale axis whose ticks read as numbers: once per decade, as powers of ten (10⁻⁶),
+    when the data spans two decades or more; else at 1, 2 and 5 times the powers of ten, every
+    label in full (50, 100, 200), where decades alone would leave one tick. Not plotly's default
+    of in-between ticks ("5, 2, 1µ, 5, 2") that read like a linear scale. `selector` (row=,
+    col=) picks one subplot's axis; the ticks are chosen from every trace's values."""
     update = fig.update_yaxes if axis == "y" else fig.update_xaxes
-    update(type="log", dtick=1, exponentformat="power", showexponent="all", **selector)
+    values = [v for trace in fig.data for v in (getattr(trace, axis, None) or ())
+              if isinstance(v, (int, float)) and v > 0]
+    if not values or max(values) >= 100 * min(values):
+        update(type="log", dtick=1, exponentformat="power", showexponent="all", **selector)
+        return fig
+    low, high = min(values), max(values)
+    ticks = [m * 10.0 ** k for k in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+             for m in (1, 2, 5)]
+    ticks = [t for t in ticks if low / 2 <= t <= high * 2]
+    update(type="log", tickvals=ticks, ticktext=[_number(t) for t in ticks], **selector)
     return fig
+
+
+def _number(value: float) -> str:
+    """A tick label: 0.05, 200, or 5·10⁻⁶ for the very small and very large."""
+    exponent = math.floor(math.log10(value) + 1e-9)
+    if -3 <= exponent <= 4:
+        return f"{value:.{max(0, -exponent)}f}"
+    return f"{value / 10 ** exponent:.0f}·10<sup>{exponent}</sup>"
 
 
 def step_axis(fig: go.Figure, num_steps: int, axis: str = "x", **selector) -> go.Figure:

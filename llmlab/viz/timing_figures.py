@@ -13,7 +13,7 @@ from plotly.subplots import make_subplots
 from llmlab.hooks import Trace
 from llmlab.machine import is_busy, machine_note
 from llmlab.viz.figures import SHARED, STATE_COLORS
-from llmlab.viz.style import step_axis
+from llmlab.viz.style import step_axis, title_with_note
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 
@@ -44,16 +44,16 @@ def phase_timings(trace: Trace | list[Trace]) -> go.Figure:
     return step_axis(fig, num_steps)
 
 
-def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> str:
-    """A figure title with the machine that measured `traces` (recorded in their meta by
-    viz.record; else this machine, now) and a warning when it was busy."""
+def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> dict:
+    """A figure title with, under it, the machine that measured `traces` (recorded in their
+    meta by viz.record; else this machine, now) and a warning when it was busy."""
     recorded = [t.meta["recorded_on"] for t in traces if t.meta.get("recorded_on")]
     if recorded:   # a trace saved elsewhere (notebooks/data) names its machine in words
-        return f"{title}<br><sup>recorded on {recorded[0]}</sup>"
+        return title_with_note(title, f"recorded on {recorded[0]}")
     info = next((t.meta["machine"] for t in traces if t.meta.get("machine")), None)
     busy_runs = [t.meta["machine"] for t in traces if t.meta.get("machine") and is_busy(t.meta["machine"])]
     note = machine_note(busy_runs[0] if busy_runs else info, spread)
-    return f"{title}<br><sup>{note}</sup>"
+    return title_with_note(title, note)
 
 
 def kernel_timings(trace: Trace) -> go.Figure:

@@ -33,6 +33,7 @@ def test_every_kind_of_figure_puts_its_title_below_the_toolbar():
                playground.figure(title="a long title " * 5),
                viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1.0}], "kernels", machine="this machine")]
     assert all(title_below_toolbar(fig) for fig in figures)
+    assert all("<br>" not in fig.layout.title.text for fig in figures)      # a second line is a subtitle
 
 
 def test_block_table_legend_sits_between_the_title_and_the_panels():
@@ -42,12 +43,18 @@ def test_block_table_legend_sits_between_the_title_and_the_panels():
     assert TOOLBAR_PX + 20 <= legend_top_px < fig.layout.margin.t
 
 
-def test_log_axes_tick_decades_as_powers_of_ten():
+def test_log_axes_tick_decades_as_powers_of_ten_or_numbers_in_full():
     fig = viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1e-3}, {"shape": "s", "impl": "b", "ms": 2.0}], "t")
     assert (fig.layout.yaxis.type, fig.layout.yaxis.dtick, fig.layout.yaxis.exponentformat) == ("log", 1, "power")
+    narrow = viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 60.0}, {"shape": "s", "impl": "b", "ms": 750.0}], "t")
+    assert narrow.layout.yaxis.type == "log"          # one decade: 1-2-5 ticks, written out
+    assert list(narrow.layout.yaxis.ticktext) == ["50", "100", "200", "500", "1000"]
+    tiny = viz.log_axis(go.Figure(go.Bar(y=[2e-6, 3e-5])))
+    assert list(tiny.layout.yaxis.ticktext) == ["1·10<sup>-6</sup>", "2·10<sup>-6</sup>", "5·10<sup>-6</sup>",
+                                                "1·10<sup>-5</sup>", "2·10<sup>-5</sup>", "5·10<sup>-5</sup>"]
     assert viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1.0}], "t", log_y=False).layout.yaxis.type != "log"
     probs = {"sharp": torch.tensor([0.9, 0.09, 0.01]), "flat": torch.tensor([0.34, 0.33, 0.33])}
-    assert viz.token_distribution(probs, top=3, log_y=True).layout.yaxis.dtick == 1
+    assert viz.token_distribution(probs, top=3, log_y=True).layout.yaxis.type == "log"
     assert viz.token_distribution(probs, top=3).layout.yaxis.type is None
 
 
