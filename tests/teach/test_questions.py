@@ -57,11 +57,12 @@ RIGHT = {
 
 # (notebook, question, a likely wrong answer, what its feedback must say)
 WRONG = [
-    ("00", "q1", 4, "counts steps from 1"), ("00", "q2", 3, "not in the cache yet"), ("00", "q2", 1, "16-token"), ("00", "q2", 8, "counts tokens"),
-    ("00", "q3", "sample", "sample:"),
+    ("00", "q1", 4, "counts steps from 1"), ("00", "q2", 3, "not in the cache yet"), ("00", "q2", 1, "16-token"),
+    ("00", "q2", 8, "counts tokens"), ("00", "q3", "sample", "sample:"),
     ("01", "q1", 34560, "query heads"), ("01", "q1", 5760, "both the key and the value"), ("01", "q2", 3, "attention"),
     ("01", "q3", 6, "argmax"), ("01", "q4", "east", "textbook"),
-    ("02", "q1", 3, "0-15"), ("02", "q2", 10, "rms(10 x)"), ("02", "q3", (4, 1), "2048"), ("02", "q3", (4, 14), "output"),
+    ("02", "q1", 3, "0-15"), ("02", "q2", 10, "rms(10 x)"), ("02", "q3", (4, 1), "2048"),
+    ("02", "q3", (4, 14), "output"),
     ("03", "q1", 0.48, "whole prompt"), ("03", "q2", 1, "count only the changes after it"), ("03", "q2", 2, "tile 2"),
     ("03", "q3", math.exp(0.5), "other way round"),
     ("04", "q1", 4.8, "ceil"), ("04", "q2", 3, "always compute"), ("04", "q3", 3, "decoded tokens"),
@@ -74,16 +75,18 @@ WRONG = [
     ("09", "q3", 19, "whole blocks"), ("09", "q3", 24, "chain breaks"),
     ("10", "q1", 1, "reach 0.75"), ("10", "q1", 3, "third token"), ("10", "q2", 2, "relative"),
     ("10", "q3", 0.5, "divided by T"), ("10", "q3", 0.25, "not dividing probabilities"),
-    ("11", "q1", 16.81, "1 request per second"), ("11", "q1", 2.75, "on average"), ("11", "q2", 325, "E2E / tokens"), ("11", "q2", 225, "how many more"),
-    ("11", "q3", "c", "poisson_arrivals"), ("11", "q4", {**INF_RATE_RESULT, "rate": 8.0}, "float('inf')"),
+    ("11", "q1", 16.81, "1 request per second"), ("11", "q1", 2.75, "on average"), ("11", "q2", 325, "E2E / tokens"),
+    ("11", "q2", 225, "how many more"), ("11", "q3", "c", "poisson_arrivals"),
+    ("11", "q4", {**INF_RATE_RESULT, "rate": 8.0}, "float('inf')"),
     ("12", "q1", lambda r: r.arrival_time, "admission number"),
-    ("12", "q1", lambda r: (len(r.prompt_token_ids) > 1024, r.arrival_time), "admission number"), ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024
-                                                                else r.arrival_time, "compared"),
+    ("12", "q1", lambda r: (len(r.prompt_token_ids) > 1024, r.arrival_time), "admission number"),
+    ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024 else r.arrival_time, "compared"),
     ("12", "q1", lambda r: 1 / 0, "ZeroDivisionError"), ("12", "q2", 4096, "both K and V"),
     ("12", "q3", "b", "who waits"),
     ("13", "q1", 2097152, "bfloat16"), ("13", "q1", 1048576, "codes alone"), ("13", "q2", 63, "absmax"),
     ("13", "q3", "a", "opposite"),
-    ("14", "q1", 1, "in turn"), ("14", "q2", (15, 22), "extra layers"), ("14", "q2", 2, "expected a tuple"), ("14", "q2", (16, 19, 22), "two numbers"), ("14", "q3", 1.0, "who waits"), ("14", "q3", 0.5, "overlap"),
+    ("14", "q1", 1, "in turn"), ("14", "q2", (15, 22), "extra layers"), ("14", "q2", 2, "expected a tuple"),
+    ("14", "q2", (16, 19, 22), "two numbers"), ("14", "q3", 1.0, "who waits"), ("14", "q3", 0.5, "overlap"),
 ]
 
 
@@ -94,7 +97,8 @@ def test_right_answers_are_accepted(notebook):
     assert {key: v.correct for key, v in verdicts.items()} == {key: True for key in RIGHT[notebook]}, verdicts
 
 
-@pytest.mark.parametrize("notebook, key, answer, mistake", WRONG, ids=[f"{n}-{q}-{a!r}"[:40] for n, q, a, _ in WRONG])
+@pytest.mark.parametrize("notebook, key, answer, mistake", WRONG,
+                         ids=[f"{n}-{q}-{a!r}"[:40] for n, q, a, _ in WRONG])
 def test_planted_wrong_answers_are_refused_with_feedback(notebook, key, answer, mistake):
     verdict = teach.grade(notebook, {key: answer})[key]
     assert not verdict.correct

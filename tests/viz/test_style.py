@@ -46,7 +46,8 @@ def test_block_table_legend_sits_between_the_title_and_the_panels():
 def test_log_axes_tick_decades_as_powers_of_ten_or_numbers_in_full():
     fig = viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 1e-3}, {"shape": "s", "impl": "b", "ms": 2.0}], "t")
     assert (fig.layout.yaxis.type, fig.layout.yaxis.dtick, fig.layout.yaxis.exponentformat) == ("log", 1, "power")
-    narrow = viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 60.0}, {"shape": "s", "impl": "b", "ms": 750.0}], "t")
+    narrow = viz.kernel_benchmark([{"shape": "s", "impl": "a", "ms": 60.0}, {"shape": "s", "impl": "b", "ms": 750.0}],
+                                  "t")
     assert narrow.layout.yaxis.type == "log"          # one decade: 1-2-5 ticks, written out
     assert list(narrow.layout.yaxis.ticktext) == ["50", "100", "200", "500", "1000"]
     tiny = viz.log_axis(go.Figure(go.Bar(y=[2e-6, 3e-5])))
