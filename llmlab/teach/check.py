@@ -78,6 +78,9 @@ def grade(notebook, answers: dict) -> dict[str, Verdict | None]:
 def check(notebook, answers: dict) -> None:
     """Print one line per question: right (and why), not yet right (and what the mistake
     probably was), or not answered yet. Never raises for an answer, however wrong its form."""
+    if not isinstance(answers, dict):
+        print(f'answers should be a dict, {{"q1": ..., "q2": ...}}; got {type(answers).__name__}')
+        return
     verdicts = grade(notebook, answers)
     print(f"Check yourself, notebook {notebook_id(notebook)}:")
     for key, verdict in verdicts.items():

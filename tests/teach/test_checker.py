@@ -66,3 +66,8 @@ def test_check_prints_right_wrong_and_a_summary(capsys):
     assert lines[0].startswith("  q1: right - ") and lines[1].startswith("  q2: not yet - ")
     assert lines[2] == "  q3: not answered yet"
     assert printed[-1] == "1 of 3 right, 1 not answered yet."
+
+
+def test_answers_that_are_not_a_dict_are_refused_in_words(capsys):
+    teach.check("03", [1, 2, 3])
+    assert "answers should be a dict" in capsys.readouterr().out
