@@ -31,6 +31,29 @@ def embedded_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
 
 
+def hf_reference(**kwargs):
+    """HF transformers' own loading of the embedded GGUF file, with its own GGUF reader and LLaMA
+    code: the independent reference llmlab is compared with (notebook 01). `kwargs` go to
+    `from_pretrained` (dtype, attn_implementation, ...). Without progress bars: transformers
+    draws two, one of them (its GGUF conversion) with no switch of its own, and a notebook saves
+    a bar as it was first drawn, "0% 0/272"."""
+    import functools
+
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    path = embedded_gguf_path()
+    bars_were_on, gguf_bar = transformers.utils.logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    transformers.utils.logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs).eval()
+    finally:
+        gguf_utils.tqdm = gguf_bar
+        if bars_were_on:
+            transformers.utils.logging.enable_progress_bar()
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Return a HF-style folder for `model` (None = embedded), converting a GGUF file the
     first time it is seen."""

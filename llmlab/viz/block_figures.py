@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 
 from llmlab.hooks import StepRecord, Trace
 from llmlab.viz.figures import CACHED, FREE, SHARED, sorted_ids, request_color, step_index
+from llmlab.viz.style import TOOLBAR_PX
 
 
 # ---- the KV block table ------------------------------------------------------------------
@@ -85,11 +86,13 @@ def block_table(source: Trace | StepRecord, step: int = -1, *, block_size: int |
         fig.update_xaxes(range=[-0.5, width - 0.5], row=row, col=1, title_text="physical block" + shown,
                          title_standoff=2, dtick=1 if width <= 32 else None)
         fig.update_yaxes(autorange="reversed", row=row, col=1)
-    height = plot_px + 150
-    fig.update_layout(title=dict(text=title, y=1 - 12 / height,
-                                 yanchor="top"), height=height,
-                      margin=dict(l=80, r=20, t=100, b=50), plot_bgcolor="white",
-                      legend=dict(orientation="h", x=0, y=1 - 50 / height, yref="container", yanchor="top"))
+    # from the top: the toolbar, the title below it (the house template), the legend, the panels
+    height = plot_px + 150 + TOOLBAR_PX
+    legend_top_px = TOOLBAR_PX + 34
+    fig.update_layout(title=dict(text=title), height=height,
+                      margin=dict(l=80, r=20, t=100 + TOOLBAR_PX, b=50), plot_bgcolor="white",
+                      legend=dict(orientation="h", x=0, y=1 - legend_top_px / height, yref="container",
+                                  yanchor="top"))
     return fig
 
 

@@ -24,6 +24,7 @@ import textwrap
 import plotly.graph_objects as go
 
 from llmlab.hooks import Trace
+from llmlab.viz.style import step_axis
 
 FREE, CACHED, SHARED = "#eeeeee", "#d8cfb8", "#444444"   # free, in prefix cache but free, shared
 REQUEST_COLORS = ["#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2",
@@ -126,7 +127,7 @@ def batch_composition(trace: Trace, *, current_step: int | None = None) -> go.Fi
                       shapes=_step_marker(current_step))
     if off_chart:
         fig.update_yaxes(range=[0, most * 1.15])
-    return fig
+    return step_axis(fig, len(trace.steps))
 
 
 def _step_marker(step):
@@ -199,11 +200,11 @@ def request_timeline(trace: Trace, *, x: str = "step", current_step: int | None 
         fig.add_trace(go.Bar(name=state, y=y, base=base, x=length, orientation="h",
                              marker_color=STATE_COLORS[state],
                              hovertemplate="%{y}: " + state + " from %{base} for %{x}<extra></extra>"))
-    fig.update_layout(barmode="overlay", title="Request timeline", height=140 + 28 * len(states),
+    fig.update_layout(barmode="overlay", title="Request timeline", height=140 + 28 * len(states), yaxis_title="request",
                       xaxis_title="engine step" if x == "step" else "time since first arrival (ms)",
                       shapes=_step_marker(current_step), margin=dict(t=50, b=40))
     fig.update_yaxes(categoryorder="array", categoryarray=[f"req {r}" for r in states], autorange="reversed")
-    return fig
+    return step_axis(fig, len(trace.steps)) if x == "step" else fig
 
 
 def memory_usage(trace: Trace) -> go.Figure:
@@ -223,4 +224,4 @@ def memory_usage(trace: Trace) -> go.Figure:
                       annotation_text="device capacity", annotation_position="top left")
     fig.update_layout(title="KV cache blocks in use", xaxis_title="engine step", yaxis_title="blocks",
                       height=300, margin=dict(t=50, b=40))
-    return fig
+    return step_axis(fig, len(trace.steps))

@@ -23,7 +23,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from llmlab.viz.figures import REQUEST_COLORS, log_ticks, title_band
+from llmlab.viz.figures import REQUEST_COLORS
+from llmlab.viz.style import log_axis, title_with_note
 
 
 # ---- attention and sampling ----------------------------------------------------------------
@@ -51,16 +52,20 @@ def attention_heatmap(weights: torch.Tensor, tokens: list[str],
     return fig
 
 
-def token_distribution(probs: dict[str, torch.Tensor], tokenizer=None, top: int = 15) -> go.Figure:
+def token_distribution(probs: dict[str, torch.Tensor], tokenizer=None, top: int = 15, *,
+                       log_y: bool = False) -> go.Figure:
     """Next-token probabilities [vocab] under several settings, over the `top` most likely
-    tokens of the first one; the first setting's order is kept."""
+    tokens of the first one; the first setting's order is kept. `log_y`: a log axis, for
+    settings whose probabilities differ by orders of magnitude (a flat distribution's bars
+    would be invisible next to a sharp one's)."""
     first = next(iter(probs.values()))
     ids = first.topk(top).indices.tolist()
     labels = [repr(tokenizer.decode([i])) if tokenizer is not None else str(i) for i in ids]
     fig = go.Figure([go.Bar(name=name, x=labels, y=p[ids].tolist()) for name, p in probs.items()])
-    fig.update_layout(barmode="group", title="Next-token probabilities", yaxis_title="probability",
+    fig.update_layout(barmode="group", title="Next-token probabilities",
+                      yaxis_title="probability" + (" (log scale)" if log_y else ""), xaxis_title="token",
                       height=360, margin=dict(t=50, b=40))
-    return fig
+    return log_axis(fig) if log_y else fig
 
 
 # ---- what a kernel computes ----------------------------------------------------------------
@@ -114,6 +119,7 @@ def online_softmax_steps(x: torch.Tensor, running_max: list[float], running_sum:
     fig.add_trace(go.Scatter(x=list(range(n)), y=x.softmax(-1).tolist(), mode="markers", name="torch.softmax(x)",
                              marker=dict(color="black", size=5)), row=2, col=1)
     fig.update_xaxes(title_text="column j", row=2, col=1)
+    fig.update_yaxes(title_text="score x", row=1, col=1).update_yaxes(title_text="probability", row=2, col=1)
     fig.update_layout(title="Online softmax", height=560, barmode="overlay", margin=dict(t=70, b=40))
     return fig
 
@@ -287,7 +293,8 @@ def decode_splits(seq_lens: list[int], num_splits: int, block_n: int, block_tabl
                                hovertemplate="%{y}, logical block %{x}: split %{z}<extra></extra>"))
     kind = "PagedAttention v1" if num_splits == 1 else f"flash-decoding, {num_splits} splits"
     fig.update_layout(title=f"{kind}: which program reads which KV block (colour = split; text = physical block)",
-                      xaxis_title=f"logical KV block ({block_size} tokens each)", yaxis_autorange="reversed",
+                      xaxis_title=f"logical KV block ({block_size} tokens each)", yaxis_title="sequence",
+                      yaxis_autorange="reversed",
                       height=140 + 40 * len(seq_lens), margin=dict(t=50, b=40))
     return fig
 
@@ -302,9 +309,7 @@ def kernel_benchmark(rows: list[dict], title: str, *, log_y: bool = True, machin
     ms = {(r["shape"], r["impl"]): r["ms"] for r in rows if "ms" in r}
     fig = go.Figure([go.Bar(name=impl, x=shapes, y=[ms.get((s, impl)) for s in shapes],
                             hovertemplate="%{x}<br>" + impl + ": %{y:.4g} ms<extra></extra>") for impl in impls])
-    fig.update_layout(barmode="group", yaxis_title="ms per call" + (" (log scale)" if log_y else ""),
-                      yaxis_type="log" if log_y else "linear", height=380, margin=dict(t=60, b=40))
-    times = [value for value in ms.values() if value and value > 0]
-    if log_y and times:
-        fig.update_yaxes(**log_ticks(min(times), max(times)))
-    return title_band(fig, title, [machine])
+    fig.update_layout(barmode="group", title=title_with_note(title, machine),
+                      xaxis_title="shape", yaxis_title="ms per call" + (" (log scale)" if log_y else ""), height=380,
+                      margin=dict(t=60, b=40))
+    return log_axis(fig) if log_y else fig

@@ -18,7 +18,7 @@ from llmlab.engine.parallel.pipeline import StageSpan
 from llmlab.engine.parallel.placement import RankLayout, stage_layers
 from llmlab.machine import machine_note
 from llmlab.model.tensor_parallel import kv_heads_of_rank, padded_vocab_size
-from llmlab.viz.figures import title_band
+from llmlab.viz.style import title_with_note
 
 RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
@@ -116,9 +116,10 @@ def pipeline_timeline(spans: list[StageSpan], note: str | None = None) -> go.Fig
                           ", %{customdata[1]} tokens<br>%{base:.1f} - %{x:.1f} ms long<extra></extra>"))
     fig.update_yaxes(categoryorder="array", categoryarray=[labels[k] for k in reversed(ranks)])
     fig.update_layout(barmode="overlay", xaxis_title="ms since the first micro-batch started",
-                      height=160 + 50 * len(ranks), margin=dict(t=80))
-    return title_band(fig, f"Pipeline timeline: the ranks are busy {busy_fraction(spans):.0%} of the time; "
-                           "the gaps are bubbles", [note or machine_note()])
+                      height=160 + 50 * len(ranks), margin=dict(t=80),
+                      title=title_with_note(f"Pipeline timeline: the ranks are busy {busy_fraction(spans):.0%} of "
+                                            f"the time; the gaps are bubbles", note or machine_note()))
+    return fig
 
 
 def busy_fraction(spans: list[StageSpan]) -> float:

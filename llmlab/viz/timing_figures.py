@@ -12,7 +12,8 @@ from plotly.subplots import make_subplots
 
 from llmlab.hooks import Trace
 from llmlab.machine import is_busy, machine_note
-from llmlab.viz.figures import SHARED, STATE_COLORS, title_band
+from llmlab.viz.figures import SHARED, STATE_COLORS
+from llmlab.viz.style import step_axis, title_with_note
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
 
@@ -38,20 +39,21 @@ def phase_timings(trace: Trace | list[Trace]) -> go.Figure:
                                      arrayminus=[m - min(x) for x, m in zip(totals, median_totals)])))
         spread = max((max(x) / min(x) for x in totals if min(x) > 0), default=None)
     runs = f" (median of {len(traces)} runs)" if len(traces) > 1 else " (one run)"
-    fig.update_layout(barmode="stack", xaxis_title="engine step", yaxis_title="ms", height=340,
-                      margin=dict(t=70, b=40))
-    return title_band(fig, "Time per phase" + runs, [timing_note(traces, spread)])
+    fig.update_layout(barmode="stack", title=timing_title("Time per phase" + runs, traces, spread),
+                      xaxis_title="engine step", yaxis_title="ms", height=340, margin=dict(t=70, b=40))
+    return step_axis(fig, num_steps)
 
 
-def timing_note(traces: list[Trace], spread: float | None = None) -> str:
-    """The line under a timing figure's title: the machine that measured `traces` (recorded in
-    their meta by viz.record; else this machine, now), and a warning when it was busy."""
+def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> dict:
+    """A figure title with, under it, the machine that measured `traces` (recorded in their
+    meta by viz.record; else this machine, now) and a warning when it was busy."""
     recorded = [t.meta["recorded_on"] for t in traces if t.meta.get("recorded_on")]
     if recorded:   # a trace saved elsewhere (notebooks/data) names its machine in words
-        return f"recorded on {recorded[0]}"
+        return title_with_note(title, f"recorded on {recorded[0]}")
     info = next((t.meta["machine"] for t in traces if t.meta.get("machine")), None)
     busy_runs = [t.meta["machine"] for t in traces if t.meta.get("machine") and is_busy(t.meta["machine"])]
-    return machine_note(busy_runs[0] if busy_runs else info, spread)
+    note = machine_note(busy_runs[0] if busy_runs else info, spread)
+    return title_with_note(title, note)
 
 
 def kernel_timings(trace: Trace) -> go.Figure:
@@ -154,6 +156,6 @@ def prefix_hits(trace: Trace) -> go.Figure:
                marker_color=STATE_COLORS["prefill"])])
     total = sum(prompt.values())
     rate = sum(hits.values()) / total if total else 0.0
-    fig.update_layout(barmode="stack", title=f"Prompt tokens: {rate:.0%} from the prefix cache",
-                      yaxis_title="prompt tokens", height=320, margin=dict(t=50, b=40))
+    fig.update_layout(barmode="stack", title=f"Prompt tokens: {rate:.0%} of them found in the prefix cache",
+                      xaxis_title="request", yaxis_title="prompt tokens", height=320, margin=dict(t=50, b=40))
     return fig

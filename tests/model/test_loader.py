@@ -400,3 +400,17 @@ def test_unpermuted_weights_with_hf_rope_compute_what_llama_cpp_computes(n_head,
     llama_cpp_q = rope_llama_cpp((w_gguf @ x).reshape(n_head, head_dim)).reshape(-1)
     hf_q = rope_hf((unpermute_qk(w_gguf, n_head) @ x).reshape(n_head, head_dim)).reshape(-1)
     np.testing.assert_allclose(unpermute_qk(llama_cpp_q, n_head), hf_q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow     # transformers reads and converts the whole GGUF file (~20 s)
+def test_hf_reference_loads_without_progress_bars_and_leaves_the_setting_alone(capsys):
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils
+
+    from llmlab.model.loader import hf_reference
+
+    gguf_bar = modeling_gguf_pytorch_utils.tqdm
+    model = hf_reference(dtype=torch.float32)
+    assert "%|" not in capsys.readouterr().err            # no tqdm bar drawn
+    assert not model.training and model.config.num_hidden_layers == 30
+    assert transformers.utils.logging.is_progress_bar_enabled() and modeling_gguf_pytorch_utils.tqdm is gguf_bar

@@ -317,12 +317,14 @@ def test_phase_timings_take_medians_and_name_the_machine():
     bars = {bar.name: bar for bar in fig.data}
     assert list(bars["forward"].y) == pytest.approx([20, 3])           # medians, not one run
     assert list(bars["fastest..slowest run"].error_y.array) == pytest.approx([10, 6])
+    def title(fig):      # the title and the line under it (the machine)
+        return f"{fig.layout.title.text} / {fig.layout.title.subtitle.text}"
     assert "median of 3 runs" in fig.layout.title.text
-    assert "Test CPU · 4 cores · torch 4 threads" in fig.layout.title.text
-    assert "BUSY MACHINE" in fig.layout.title.text
-    one = viz.phase_timings(trace([10, 30], quiet)).layout.title.text
+    assert "Test CPU · 4 cores · torch 4 threads" in fig.layout.title.subtitle.text
+    assert "BUSY MACHINE" in fig.layout.title.subtitle.text
+    one = title(viz.phase_timings(trace([10, 30], quiet)))
     assert "one run" in one and "BUSY" not in one
-    assert "repeats differ up to 3.0x" in viz.phase_timings([trace([10], quiet), trace([30], quiet)]).layout.title.text
+    assert "repeats differ up to 3.0x" in title(viz.phase_timings([trace([10], quiet), trace([30], quiet)]))
 
 
 def test_machine_note_warns_only_for_a_loaded_cpu():

@@ -1,0 +1,113 @@
+"""Every notebook's "Check yourself": the right answers are accepted, and planted wrong ones (the
+mistakes a student is likely to make) are refused with feedback that names the mistake and does
+not give the right answer away. The right answers below are worked out by hand from the
+notebooks; the checker computes its own from the library, so the two must agree."""
+import math
+
+import pytest
+
+from llmlab import teach
+
+
+def short_prompts_first(request):        # notebook 12's task, done right
+    num_tokens = len(request.prompt_token_ids)
+    return (num_tokens > 512, num_tokens if num_tokens <= 512 else request.arrival_time)
+
+
+INF_RATE_RESULT = {"rate": math.inf, "completed": 12, "failed": 0,
+                   "ttft_ms": {"mean": 900.0, "p50": 850.0, "p90": 1500.0, "p99": 1600.0}}
+
+RIGHT = {
+    "00": {"q1": 3,             # robots: prefill + first token at step 0, 4 tokens -> its last at step 3
+           "q2": 2,             # 6 prompt tokens + 2 fed back by steps 1 and 2, 4 to a block
+           "q3": "d"},          # forward
+    "01": {"q1": 11520,         # 2 (K, V) x 30 layers x 3 kv heads x 64
+           "q2": 27, "q3": 0, "q4": " sky"},
+    "02": {"q1": 10,            # 200 * 100000**(-2i/64) >= 2 pi for i = 0..9
+           "q2": 1.0,           # RMSNorm ignores a row's scale
+           "q3": (4, 7)},       # 4 rows x ceil(14336 / 2048)
+    "03": {"q1": 28 / 256,      # last chunk: query tile i (0..7) skips 7 - i of 32 key tiles
+           "q2": 0, "q3": math.exp(2.5 - 3.0)},
+    "04": {"q1": 4,             # 12 blocks, 3 per 10-token request
+           "q2": 2,             # the last token's block is recomputed
+           "q3": 5},            # ceil(17 / 4)
+    "05": {"q1": 15,            # one 32-key tile: split 0 only
+           "q2": 2,             # 512 tiles, ceil(512 / 66) = 8 per split: 64 splits used
+           "q3": 96},           # 3 sequences x 2 kv heads x 16
+    "06": {"q1": 4, "q2": 31, "q3": "b"},
+    "07": {"q1": 33,            # 226 prompt tokens in chunks of 8 - 3 decodes = 5
+           "q2": 469,           # 466 prompt tokens + 3 decodes
+           "q3": 3},            # the long prompt arrives at step 3
+    "08": {"q1": 1, "q2": 57, "q3": 2, "q4": "1"},
+    "09": {"q1": 32,            # 45 shared tokens -> 2 whole 16-token blocks
+           "q2": 1, "q3": 16},
+    "10": {"q1": 2,             # 0.5 < 0.75 <= 0.8
+           "q2": 3,             # p >= 0.2 * 0.5
+           "q3": 0.379},        # sqrt(0.5) / sum(sqrt(p))
+    "11": {"q1": 16.81 / 4,             # the seed's gaps at rate 1, four times closer
+           "q2": 300,      # (1300 - 400) / (4 - 1)
+           "q3": "b", "q4": INF_RATE_RESULT},
+    "12": {"q1": short_prompts_first, "q2": 2048, "q3": "a"},     # 4 GiB / 2 MiB
+    "13": {"q1": 1081344,       # Llama-3-8B: 2 x 32 x 16 x 8 x (128 + 4)
+           "q2": 50,            # round(0.5 / (1.27 / 127))
+           "q3": "b"},
+    "14": {"q1": 2, "q2": (16, 22),     # stages of 8, 8, 7, 7 layers
+           "q3": 2 / 3},
+}
+
+# (notebook, question, a likely wrong answer, what its feedback must say)
+WRONG = [
+    ("00", "q1", 4, "counts steps from 1"), ("00", "q2", 3, "not in the cache yet"), ("00", "q2", 1, "16-token"),
+    ("00", "q2", 8, "counts tokens"), ("00", "q3", "sample", "sample:"),
+    ("01", "q1", 34560, "query heads"), ("01", "q1", 5760, "both the key and the value"), ("01", "q2", 3, "attention"),
+    ("01", "q3", 6, "argmax"), ("01", "q4", "east", "textbook"),
+    ("02", "q1", 3, "0-15"), ("02", "q2", 10, "rms(10 x)"), ("02", "q3", (4, 1), "2048"),
+    ("02", "q3", (4, 14), "output"),
+    ("03", "q1", 0.48, "whole prompt"), ("03", "q2", 1, "count only the changes after it"), ("03", "q2", 2, "tile 2"),
+    ("03", "q3", math.exp(0.5), "other way round"),
+    ("04", "q1", 4.8, "ceil"), ("04", "q2", 3, "always compute"), ("04", "q3", 3, "decoded tokens"),
+    ("05", "q1", 16, "some split"), ("05", "q2", 0, "66 x"), ("05", "q3", 192, "kv head"), ("05", "q3", 108, "combine"),
+    ("06", "q1", 2, "arrives"), ("06", "q2", 12, "without chunking"), ("06", "q3", "a", "whole step"),
+    ("07", "q1", 29, "chunk = budget - decodes"), ("07", "q2", 466, "three decodes"), ("07", "q3", 4, "from 0"),
+    ("08", "q1", 0, "another way"), ("08", "q2", 29, "prefix caching on"), ("08", "q2", 24, "only the prompts"),
+    ("08", "q3", 1, "20 blocks"), ("08", "q4", "3", "FCFS"),
+    ("09", "q1", 40, "8-token blocks"), ("09", "q1", 45, "whole blocks"), ("09", "q2", 0, "does the scheduler"),
+    ("09", "q3", 19, "whole blocks"), ("09", "q3", 24, "chain breaks"),
+    ("10", "q1", 1, "reach 0.75"), ("10", "q1", 3, "third token"), ("10", "q2", 2, "relative"),
+    ("10", "q3", 0.5, "divided by T"), ("10", "q3", 0.25, "not dividing probabilities"),
+    ("11", "q1", 16.81, "1 request per second"), ("11", "q1", 2.75, "on average"), ("11", "q2", 325, "E2E / tokens"),
+    ("11", "q2", 225, "how many more"), ("11", "q3", "c", "poisson_arrivals"),
+    ("11", "q4", {**INF_RATE_RESULT, "rate": 8.0}, "float('inf')"),
+    ("12", "q1", lambda r: r.arrival_time, "admission number"),
+    ("12", "q1", lambda r: (len(r.prompt_token_ids) > 1024, r.arrival_time), "admission number"),
+    ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024 else r.arrival_time, "compared"),
+    ("12", "q1", lambda r: 1 / 0, "ZeroDivisionError"), ("12", "q2", 4096, "both K and V"),
+    ("12", "q3", "b", "who waits"),
+    ("13", "q1", 2097152, "bfloat16"), ("13", "q1", 1048576, "codes alone"), ("13", "q2", 63, "absmax"),
+    ("13", "q3", "a", "opposite"),
+    ("14", "q1", 1, "in turn"), ("14", "q2", (15, 22), "extra layers"), ("14", "q2", 2, "expected a tuple"),
+    ("14", "q2", (16, 19, 22), "two numbers"), ("14", "q3", 1.0, "who waits"), ("14", "q3", 0.5, "overlap"),
+]
+
+
+@pytest.mark.parametrize("notebook", list(RIGHT))
+def test_right_answers_are_accepted(notebook):
+    assert set(RIGHT[notebook]) == set(teach.questions(notebook)), "a question without a right answer here"
+    verdicts = teach.grade(notebook, RIGHT[notebook])
+    assert {key: v.correct for key, v in verdicts.items()} == {key: True for key in RIGHT[notebook]}, verdicts
+
+
+@pytest.mark.parametrize("notebook, key, answer, mistake", WRONG,
+                         ids=[f"{n}-{q}-{a!r}"[:40] for n, q, a, _ in WRONG])
+def test_planted_wrong_answers_are_refused_with_feedback(notebook, key, answer, mistake):
+    verdict = teach.grade(notebook, {key: answer})[key]
+    assert not verdict.correct
+    assert mistake in verdict.feedback, verdict.feedback
+    right = RIGHT[notebook][key]
+    if isinstance(right, (int, float)) and not isinstance(right, bool) and abs(right) >= 10:
+        assert f"{right:g}" not in verdict.feedback, "the feedback gives the answer away"
+
+
+def test_every_question_has_a_planted_wrong_answer():
+    planted = {(notebook, key) for notebook, key, _, _ in WRONG}
+    assert planted == {(notebook, key) for notebook in RIGHT for key in RIGHT[notebook]}
