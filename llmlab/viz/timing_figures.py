@@ -67,8 +67,9 @@ def kernel_timings(trace: Trace) -> go.Figure:
     names = sorted(totals, key=totals.get) + ["forward, outside kernels"]
     values = [totals[n] for n in names[:-1]] + [max(0.0, forward - sum(totals.values()))]
     fig = go.Figure(go.Bar(x=values, y=names, orientation="h", marker_color=STATE_COLORS["decode"]))
-    fig.update_layout(xaxis_title="ms", height=140 + 30 * len(names), margin=dict(t=70, b=40))
-    return title_band(fig, "Time per kernel, whole trace", [timing_note([trace])])
+    fig.update_layout(title=timing_title("Time per kernel, whole trace", [trace]), xaxis_title="ms",
+                      height=140 + 30 * len(names), margin=dict(t=70, b=40))
+    return fig
 
 
 def request_latencies(trace: Trace) -> dict[str, dict]:
@@ -110,8 +111,9 @@ def latency_comparison(traces: dict[str, Trace], ttft_requests=None, itl_request
     fig.add_trace(go.Bar(name="ITL worst", x=labels, y=[g[-1] * 1e3 if g else 0 for g in gaps],
                          marker_color=STATE_COLORS["preempted"]), row=1, col=2)
     fig.update_yaxes(title_text="ms")
-    fig.update_layout(barmode="group", height=360, margin=dict(t=90, b=40))
-    return title_band(fig, "Latency", [timing_note(list(traces.values()))])
+    fig.update_layout(title=timing_title("Latency", list(traces.values())), barmode="group", height=360,
+                      margin=dict(t=90, b=40))
+    return fig
 
 
 def _mean(values):
