@@ -258,6 +258,14 @@ SMOKE_CALLS = {
         lambda m: _allocator_with_one_sequence(m).fork(0, 1),
         lambda m: _allocator_with_one_sequence(m).free(0),
     ],
+    "ex13_block_manager": [
+        lambda m: m.BlockManager(4, 2, 4).allocate(_request(5), 5),
+        lambda m: m.BlockManager(4, 2, 4).block_hashes(_request(9), 2),
+        lambda m: m.BlockManager(4, 2, 4).match_prefix(_request(9)),
+        lambda m: _on_one_request(m, "free"),
+        lambda m: _on_one_request(m, "cache_full_blocks"),
+        lambda m: _on_one_request(m, "swap_out"),
+    ],
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [
@@ -277,3 +285,26 @@ def _int8_cache():
     codes = [torch.zeros(2, 16, 1, 16, dtype=torch.int8, device=DEVICE) for _ in range(2)]
     scales = [torch.ones(2, 16, 1, device=DEVICE) for _ in range(2)]
     return codes[0], codes[1], scales[0], scales[1]
+
+
+def _request(num_tokens):
+    from llmlab.request import Request
+
+    return Request("0", None, list(range(num_tokens)), llmlab.SamplingParams())
+
+
+def _manager_with_one_request(module):
+    """A block manager whose request holds 5 computed tokens in blocks 0 and 1 (state set by hand)."""
+    manager = module.BlockManager(4, 2, 4)
+    request = _request(5)
+    for block in (0, 1):
+        manager.free_blocks.remove(block)
+        manager.ref_counts[block] = 1
+    request.block_table = [0, 1]
+    request.num_computed_tokens = 5
+    return manager, request
+
+
+def _on_one_request(module, method: str):
+    manager, request = _manager_with_one_request(module)
+    return getattr(manager, method)(request)

@@ -14,6 +14,7 @@ import pytest
 
 import test_ex09_block_allocator as ex09
 import test_ex12_quantized_store_kv as ex12
+import test_ex13_block_manager as ex13
 from grading import load
 
 
@@ -105,3 +106,95 @@ def test_exercise_12_names_a_missing_per_head_scale_offset(scale_without_head_of
             case()
         message = str(report.value)
         assert "scales" in message and "v_cache" not in message and "truncate" not in message, message
+
+
+# ---- exercise 13: four block managers with one bug each --------------------------------------------
+def manager_module(**methods):
+    """exercise 13's API: the solution's BlockManager with `methods` replaced."""
+    solution = load("solutions", "ex13_block_manager")
+    return types.SimpleNamespace(BlockManager=type("Planted", (solution.BlockManager,), methods))
+
+
+def release_twice(self, request):
+    for block in reversed(request.block_table * 2):      # the bug: every block released twice
+        self.ref_counts[block] = max(0, self.ref_counts[block] - 1)
+        if self.ref_counts[block] == 0:
+            if self.block_hash[block] is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+    request.block_table, request.num_cached_blocks = [], 0
+
+
+def release_never(self, request):
+    for block in request.block_table:
+        self.ref_counts[block] -= 1                      # the bug: a block at 0 goes nowhere
+    request.block_table, request.num_cached_blocks = [], 0
+
+
+def hash_of_the_block_alone(self, request, num_blocks):
+    hashes, bs = request.block_hashes, self.block_size
+    while len(hashes) < num_blocks:
+        i = len(hashes)                                  # the bug: no previous hash in the chain
+        hashes.append(hash(tuple(request.token_ids_between(i * bs, (i + 1) * bs))))
+    return hashes[:num_blocks]
+
+
+def match_leaving_blocks_evictable(self, request):
+    if not self.enable_prefix_caching or request.block_table:
+        return 0
+    matched = []
+    for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+        if h not in self.cached_blocks:
+            break
+        matched.append(self.cached_blocks[h])
+    for block in matched:
+        self.ref_counts[block] += 1                      # the bug: a block at 0 stays in evictable
+    request.block_table, request.num_cached_blocks = matched, len(matched)
+    return len(matched) * self.block_size
+
+
+PLANTED_13 = {
+    "a block freed twice": (dict(free=release_twice), ex13.test_free,
+                            r"case free a request of 9 tokens.*: block\(s\) \[.*\] are in free_blocks twice\n"
+                            r"  -> a block was freed twice"),
+    "a block never freed": (dict(free=release_never), ex13.test_free,
+                            r"case free a request of 9 tokens.*: block \d+ is held by no request but is neither in "
+                            r"free_blocks nor in evictable: it leaked"),
+    "a hash that ignores the previous block": (
+        dict(block_hashes=hash_of_the_block_alone), ex13.test_hash_chain_covers_the_whole_prefix,
+        r"case two prompts whose second blocks are equal.*: block 1 of both prompts has the same hash\n"
+        r"  -> the hash of block i must cover the previous block's hash"),
+    "eviction of a block still referenced": (
+        dict(match_prefix=match_leaving_blocks_evictable), ex13.test_a_freed_cached_block_is_found_again,
+        r"case free a cached request, then look its prompt up: block \d+ is held by requests \['1'\] and is in "
+        r"evictable too\n  -> .*match_prefix, a matched block whose count was 0 must be taken out of evictable"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_13))
+def test_exercise_13_names_the_planted_mistake(planted):
+    methods, test, message = PLANTED_13[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(manager_module(**methods))
+
+
+def test_exercise_13_never_fails_with_a_bare_assert():
+    """Each planted block manager fails every unit test it fails through a report."""
+    tests = [f for name, f in vars(ex13).items() if name.startswith("test_") and name != "test_end_to_end"]
+    for planted, (methods, _, _) in PLANTED_13.items():
+        for test in tests:
+            try:
+                test(manager_module(**methods))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_13_end_to_end_catches_a_hash_without_its_prefix(llm):
+    """The engine on a block manager whose hash ignores the previous block: a request shares
+    a block computed after another prefix, and its text changes (or the run fails)."""
+    with pytest.raises(pytest.fail.Exception, match=r"the engine on your BlockManager"):
+        ex13.test_end_to_end(manager_module(block_hashes=hash_of_the_block_alone), llm, "recompute")
