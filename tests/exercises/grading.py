@@ -266,6 +266,11 @@ SMOKE_CALLS = {
         lambda m: _on_one_request(m, "cache_full_blocks"),
         lambda m: _on_one_request(m, "swap_out"),
     ],
+    "ex14_detokenizer": [
+        lambda m: m.IncrementalDetokenizer(_Bytes(), [0]).add_token(1),
+        lambda m: m.OutputText(m.IncrementalDetokenizer(_Bytes(), [0]), ["x"]).finish(),
+        lambda m: _OutputTextOfSolution(m).add_token(1),
+    ],
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [
@@ -308,3 +313,15 @@ def _manager_with_one_request(module):
 def _on_one_request(module, method: str):
     manager, request = _manager_with_one_request(module)
     return getattr(manager, method)(request)
+
+
+class _Bytes:
+    """A tokenizer whose every token is the byte b"a"."""
+    def decode(self, token_ids, skip_special_tokens=True) -> str:
+        return "a" * len(token_ids)
+
+
+def _OutputTextOfSolution(module):
+    """The module's OutputText over the solution's detokenizer: its add_token alone is called."""
+    detokenizer = load("solutions", "ex14_detokenizer").IncrementalDetokenizer(_Bytes(), [0])
+    return module.OutputText(detokenizer, ["x"])

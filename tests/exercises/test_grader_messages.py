@@ -15,6 +15,7 @@ import pytest
 import test_ex09_block_allocator as ex09
 import test_ex12_quantized_store_kv as ex12
 import test_ex13_block_manager as ex13
+import test_ex14_detokenizer as ex14
 from grading import load
 
 
@@ -198,3 +199,74 @@ def test_exercise_13_end_to_end_catches_a_hash_without_its_prefix(llm):
     a block computed after another prefix, and its text changes (or the run fails)."""
     with pytest.raises(pytest.fail.Exception, match=r"the engine on your BlockManager"):
         ex13.test_end_to_end(manager_module(block_hashes=hash_of_the_block_alone), llm, "recompute")
+
+
+# ---- exercise 14: a stop string leaked across tokens, a UTF-8 character split -----------------------
+def text_module(**classes):
+    """exercise 14's API: the solution's classes, with `classes` replacing some."""
+    solution = load("solutions", "ex14_detokenizer")
+    return types.SimpleNamespace(**{"IncrementalDetokenizer": solution.IncrementalDetokenizer,
+                                    "OutputText": solution.OutputText, **classes})
+
+
+def search_the_new_piece_only(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    found = [(at, stop) for stop in self.stop if (at := piece.find(stop)) != -1]
+    if found:                                            # the bug: nothing held back, the new piece searched alone
+        at, self.stopped_on = min(found)
+        self._release(piece[:at])
+        return True
+    self._release(piece)
+    return False
+
+
+def decode_the_new_token_alone(self, token_id):
+    self.token_ids.append(token_id)                      # the bug: a token decoded on its own
+    return self.tokenizer.decode([token_id])
+
+
+PLANTED_14 = {
+    "a stop string leaked across tokens": (
+        dict(OutputText="add_token", method=search_the_new_piece_only),
+        ex14.test_a_stop_string_split_across_tokens_is_never_shown,
+        r"case stop 'STOP' arriving as 'ST' \+ 'OP'.*'ST' was shown before the stop string was complete\n"
+        r"  -> a stop string leaked across tokens: hold back"),
+    "a UTF-8 character split": (
+        dict(IncrementalDetokenizer="add_token", method=decode_the_new_token_alone),
+        ex14.test_a_character_split_over_tokens_waits,
+        r"case 'é' split over two tokens.*U\+FFFD \(a half character\) was shown\n  -> a UTF-8 character was split"),
+}
+
+
+def planted_text_module(spec):
+    spec = dict(spec)
+    method = spec.pop("method")
+    (cls, name), = spec.items()
+    solution = load("solutions", "ex14_detokenizer")
+    return text_module(**{cls: type("Planted", (getattr(solution, cls),), {name: method})})
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_14))
+def test_exercise_14_names_the_planted_mistake(planted):
+    spec, test, message = PLANTED_14[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(planted_text_module(spec))
+
+
+def test_exercise_14_never_fails_with_a_bare_assert():
+    tests = [f for name, f in vars(ex14).items() if name.startswith("test_") and name != "test_end_to_end"]
+    for planted, (spec, _, _) in PLANTED_14.items():
+        for test in tests:
+            params = {"test_pieces_add_up_to_the_text": ([1, 9, 10, 11, 2, 3], "h🙂 oké")}.get(test.__name__, ())
+            try:
+                test(planted_text_module(spec), *params)
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_14_end_to_end_catches_a_leaked_stop_string(llm):
+    with pytest.raises(pytest.fail.Exception, match=r"the engine with your classes"):
+        ex14.test_end_to_end(planted_text_module(PLANTED_14["a stop string leaked across tokens"][0]), llm)
