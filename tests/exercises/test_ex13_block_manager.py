@@ -294,6 +294,7 @@ def engine_run(llm, block_manager, preemption_mode):
     return engine, [o.token_ids for o in outputs]
 
 
+@pytest.mark.slow   # the 30-layer model, several engine runs
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_end_to_end(ex, llm, preemption_mode):
     from llmlab.cache.block_manager import BlockManager

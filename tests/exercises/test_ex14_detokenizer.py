@@ -137,6 +137,7 @@ def test_without_stop_strings_nothing_is_held_back(ex):
            "with no stop string (hold_back 0) every piece is shown at once")
 
 
+@pytest.mark.slow   # the 30-layer model, several engine runs
 def test_end_to_end(ex, llm):
     """The engine with your detokenizer and OutputText: the same texts and finish reasons as
     llmlab's, with a stop string that spans two tokens of the greedy output."""
