@@ -20,12 +20,12 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
-from llmlab.engine.output import OutputProcessor
+from llmlab.engine.output import OutputProcessor, OutputText
 from llmlab.engine.warm_up import warm_up
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
-from llmlab.model.tokenizer import Tokenizer, check_prompt_ids, tokenize_prompt
+from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer, check_prompt_ids, tokenize_prompt
 from llmlab.plan import Plan
 from llmlab.policies import fcfs
 from llmlab.request import Request, RequestOutput
@@ -46,18 +46,23 @@ class LLMEngine:
     kv_cache_tokens = property(lambda self: self.runner.kv_cache_tokens, doc="tokens the device KV cache holds")
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
-                 tokenizer: Tokenizer | None = None, policy=fcfs):
-        """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights)."""
+                 tokenizer: Tokenizer | None = None, policy=fcfs, block_manager=BlockManager,
+                 detokenizer=IncrementalDetokenizer, output_text=OutputText):
+        """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights).
+        The plug-in points (the exercises' components run here): `block_manager`, a class with
+        BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
+        IncrementalDetokenizer's and OutputText's (the output processor builds one of each
+        per request). `policy` is the scheduler's (policies.py)."""
         self.config = config
         # load -> prepack -> memory profile -> KV cache: the runner's work
         self.runner = runner = ModelRunner(config, model, tokenizer)
         # found beside the weights; the engine's: prompts in (tokenize), text out (its output processor)
         self.tokenizer = runner.tokenizer
-        self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
+        self.block_manager = block_manager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
         eos = runner.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
-        self.output = OutputProcessor(self.tokenizer, eos)
+        self.output = OutputProcessor(self.tokenizer, eos, detokenizer, output_text)
         self.sampler = Sampler(config.seed, self.backend)
         warm_up(runner, self.sampler, config)   # decode graphs, kernel variants, sampler graphs (GPU only)
         self.hooks = HookBus()

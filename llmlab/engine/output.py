@@ -90,16 +90,21 @@ class OutputText:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int]):
-        """`tokenizer`: None for an engine that runs on token ids only (its outputs have no text)."""
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int],
+                 detokenizer=IncrementalDetokenizer, output_text=None):
+        """`tokenizer`: None for an engine that runs on token ids only (its outputs have no text).
+        `detokenizer`, `output_text`: the classes each request's text is made with
+        (IncrementalDetokenizer and OutputText unless an exercise's are plugged in)."""
         self.tokenizer = tokenizer
+        self.detokenizer = detokenizer
+        self.output_text = OutputText if output_text is None else output_text
         self.eos_token_ids = eos_token_ids   # never detokenized: an end, not text
 
     def add_request(self, request: Request) -> None:
         """Give a new request its detokenizer and its stop strings."""
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-            request.output_text = OutputText(detokenizer, request.params.stop)
+            detokenizer = self.detokenizer(self.tokenizer, request.prompt_token_ids)
+            request.output_text = self.output_text(detokenizer, request.params.stop)
 
     def add_tokens(self, requests: list[Request]) -> list[Request]:
         """The output side of each request's newest token (the scheduler has just resolved

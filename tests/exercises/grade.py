@@ -113,14 +113,35 @@ def main(argv=None) -> int:
     api = subprocess.run([sys.executable, "-m", "pytest", str((HERE / "test_same_api.py").relative_to(REPO)),
                           f"--impl={args.impl}", "-q", "-p", "no:cacheprovider", "-k", "not docstring"],
                          cwd=REPO).returncode
+    # the capstone: every engine-component exercise plugged into one engine at once
+    capstone = None
+    if not args.exercises:
+        print("\n=== capstone", flush=True)
+        capstone = subprocess.run([sys.executable, "-m", "pytest", str((HERE / "test_capstone.py").relative_to(REPO)),
+                                   f"--impl={args.impl}", "-q", "-rs", "-p", "no:cacheprovider"],
+                                  cwd=REPO, capture_output=True, text=True)
+        print(capstone.stdout[-3000:], flush=True)
     print(f"\nllmlab exercises: grading {args.impl}/")
     for line in table(grades, args.impl):
         print(line)
     print(f"  {'public names and signatures':26s} {'same as solutions/' if api == 0 else 'DIFFERENT (see above)'}")
+    if capstone is not None:
+        print(f"  {'capstone':26s} {capstone_status(capstone.returncode, capstone.stdout)}")
     code = exit_status(grades, api == 0, args.only_written)
+    if capstone is not None and capstone_status(capstone.returncode, capstone.stdout).startswith("FAILING"):
+        code = 1
     if code and not args.only_written and any(g.not_written for g in grades.values()):
         print("  (exit status 1 while an exercise is not written yet; --only-written grades only your own work)")
     return code
+
+
+def capstone_status(returncode: int, output: str) -> str:
+    """The capstone's line: the engine on every engine-component exercise at once."""
+    if returncode == 0 and " skipped" in output and " passed" not in output:
+        return "to do    runs once every engine-component exercise (13 onwards) is written"
+    if returncode == 0:
+        return "done     the engine on all your components writes the default engine's texts"
+    return "FAILING  the engine on all your components differs (see above)"
 
 
 def exit_status(grades: dict[str, Grade], api_ok: bool, only_written: bool) -> int:

@@ -258,6 +258,19 @@ SMOKE_CALLS = {
         lambda m: _allocator_with_one_sequence(m).fork(0, 1),
         lambda m: _allocator_with_one_sequence(m).free(0),
     ],
+    "ex13_block_manager": [
+        lambda m: m.BlockManager(4, 2, 4).allocate(_request(5), 5),
+        lambda m: m.BlockManager(4, 2, 4).block_hashes(_request(9), 2),
+        lambda m: m.BlockManager(4, 2, 4).match_prefix(_request(9)),
+        lambda m: _on_one_request(m, "free"),
+        lambda m: _on_one_request(m, "cache_full_blocks"),
+        lambda m: _on_one_request(m, "swap_out"),
+    ],
+    "ex14_detokenizer": [
+        lambda m: m.IncrementalDetokenizer(_Bytes(), [0]).add_token(1),
+        lambda m: m.OutputText(m.IncrementalDetokenizer(_Bytes(), [0]), ["x"]).finish(),
+        lambda m: _OutputTextOfSolution(m).add_token(1),
+    ],
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [
@@ -277,3 +290,38 @@ def _int8_cache():
     codes = [torch.zeros(2, 16, 1, 16, dtype=torch.int8, device=DEVICE) for _ in range(2)]
     scales = [torch.ones(2, 16, 1, device=DEVICE) for _ in range(2)]
     return codes[0], codes[1], scales[0], scales[1]
+
+
+def _request(num_tokens):
+    from llmlab.request import Request
+
+    return Request("0", None, list(range(num_tokens)), llmlab.SamplingParams())
+
+
+def _manager_with_one_request(module):
+    """A block manager whose request holds 5 computed tokens in blocks 0 and 1 (state set by hand)."""
+    manager = module.BlockManager(4, 2, 4)
+    request = _request(5)
+    for block in (0, 1):
+        manager.free_blocks.remove(block)
+        manager.ref_counts[block] = 1
+    request.block_table = [0, 1]
+    request.num_computed_tokens = 5
+    return manager, request
+
+
+def _on_one_request(module, method: str):
+    manager, request = _manager_with_one_request(module)
+    return getattr(manager, method)(request)
+
+
+class _Bytes:
+    """A tokenizer whose every token is the byte b"a"."""
+    def decode(self, token_ids, skip_special_tokens=True) -> str:
+        return "a" * len(token_ids)
+
+
+def _OutputTextOfSolution(module):
+    """The module's OutputText over the solution's detokenizer: its add_token alone is called."""
+    detokenizer = load("solutions", "ex14_detokenizer").IncrementalDetokenizer(_Bytes(), [0])
+    return module.OutputText(detokenizer, ["x"])

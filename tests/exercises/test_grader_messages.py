@@ -14,6 +14,8 @@ import pytest
 
 import test_ex09_block_allocator as ex09
 import test_ex12_quantized_store_kv as ex12
+import test_ex13_block_manager as ex13
+import test_ex14_detokenizer as ex14
 from grading import load
 
 
@@ -105,3 +107,166 @@ def test_exercise_12_names_a_missing_per_head_scale_offset(scale_without_head_of
             case()
         message = str(report.value)
         assert "scales" in message and "v_cache" not in message and "truncate" not in message, message
+
+
+# ---- exercise 13: four block managers with one bug each --------------------------------------------
+def manager_module(**methods):
+    """exercise 13's API: the solution's BlockManager with `methods` replaced."""
+    solution = load("solutions", "ex13_block_manager")
+    return types.SimpleNamespace(BlockManager=type("Planted", (solution.BlockManager,), methods))
+
+
+def release_twice(self, request):
+    for block in reversed(request.block_table * 2):      # the bug: every block released twice
+        self.ref_counts[block] = max(0, self.ref_counts[block] - 1)
+        if self.ref_counts[block] == 0:
+            if self.block_hash[block] is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+    request.block_table, request.num_cached_blocks = [], 0
+
+
+def release_never(self, request):
+    for block in request.block_table:
+        self.ref_counts[block] -= 1                      # the bug: a block at 0 goes nowhere
+    request.block_table, request.num_cached_blocks = [], 0
+
+
+def hash_of_the_block_alone(self, request, num_blocks):
+    hashes, bs = request.block_hashes, self.block_size
+    while len(hashes) < num_blocks:
+        i = len(hashes)                                  # the bug: no previous hash in the chain
+        hashes.append(hash(tuple(request.token_ids_between(i * bs, (i + 1) * bs))))
+    return hashes[:num_blocks]
+
+
+def match_leaving_blocks_evictable(self, request):
+    if not self.enable_prefix_caching or request.block_table:
+        return 0
+    matched = []
+    for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+        if h not in self.cached_blocks:
+            break
+        matched.append(self.cached_blocks[h])
+    for block in matched:
+        self.ref_counts[block] += 1                      # the bug: a block at 0 stays in evictable
+    request.block_table, request.num_cached_blocks = matched, len(matched)
+    return len(matched) * self.block_size
+
+
+PLANTED_13 = {
+    "a block freed twice": (dict(free=release_twice), ex13.test_free,
+                            r"case free a request of 9 tokens.*: block\(s\) \[.*\] are in free_blocks twice\n"
+                            r"  -> a block was freed twice"),
+    "a block never freed": (dict(free=release_never), ex13.test_free,
+                            r"case free a request of 9 tokens.*: block \d+ is held by no request but is neither in "
+                            r"free_blocks nor in evictable: it leaked"),
+    "a hash that ignores the previous block": (
+        dict(block_hashes=hash_of_the_block_alone), ex13.test_hash_chain_covers_the_whole_prefix,
+        r"case two prompts whose second blocks are equal.*: block 1 of both prompts has the same hash\n"
+        r"  -> the hash of block i must cover the previous block's hash"),
+    "eviction of a block still referenced": (
+        dict(match_prefix=match_leaving_blocks_evictable), ex13.test_a_freed_cached_block_is_found_again,
+        r"case free a cached request, then look its prompt up: block \d+ is held by requests \['1'\] and is in "
+        r"evictable too\n  -> .*match_prefix, a matched block whose count was 0 must be taken out of evictable"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_13))
+def test_exercise_13_names_the_planted_mistake(planted):
+    methods, test, message = PLANTED_13[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(manager_module(**methods))
+
+
+def test_exercise_13_never_fails_with_a_bare_assert():
+    """Each planted block manager fails every unit test it fails through a report."""
+    tests = [f for name, f in vars(ex13).items() if name.startswith("test_") and name != "test_end_to_end"]
+    for planted, (methods, _, _) in PLANTED_13.items():
+        for test in tests:
+            try:
+                test(manager_module(**methods))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_13_end_to_end_catches_a_hash_without_its_prefix(llm):
+    """The engine on a block manager whose hash ignores the previous block: a request shares
+    a block computed after another prefix, and its text changes (or the run fails)."""
+    with pytest.raises(pytest.fail.Exception, match=r"the engine on your BlockManager"):
+        ex13.test_end_to_end(manager_module(block_hashes=hash_of_the_block_alone), llm, "recompute")
+
+
+# ---- exercise 14: a stop string leaked across tokens, a UTF-8 character split -----------------------
+def text_module(**classes):
+    """exercise 14's API: the solution's classes, with `classes` replacing some."""
+    solution = load("solutions", "ex14_detokenizer")
+    return types.SimpleNamespace(**{"IncrementalDetokenizer": solution.IncrementalDetokenizer,
+                                    "OutputText": solution.OutputText, **classes})
+
+
+def search_the_new_piece_only(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    found = [(at, stop) for stop in self.stop if (at := piece.find(stop)) != -1]
+    if found:                                            # the bug: nothing held back, the new piece searched alone
+        at, self.stopped_on = min(found)
+        self._release(piece[:at])
+        return True
+    self._release(piece)
+    return False
+
+
+def decode_the_new_token_alone(self, token_id):
+    self.token_ids.append(token_id)                      # the bug: a token decoded on its own
+    return self.tokenizer.decode([token_id])
+
+
+PLANTED_14 = {
+    "a stop string leaked across tokens": (
+        dict(OutputText="add_token", method=search_the_new_piece_only),
+        ex14.test_a_stop_string_split_across_tokens_is_never_shown,
+        r"case stop 'STOP' arriving as 'ST' \+ 'OP'.*'ST' was shown before the stop string was complete\n"
+        r"  -> a stop string leaked across tokens: hold back"),
+    "a UTF-8 character split": (
+        dict(IncrementalDetokenizer="add_token", method=decode_the_new_token_alone),
+        ex14.test_a_character_split_over_tokens_waits,
+        r"case 'é' split over two tokens.*U\+FFFD \(a half character\) was shown\n  -> a UTF-8 character was split"),
+}
+
+
+def planted_text_module(spec):
+    spec = dict(spec)
+    method = spec.pop("method")
+    (cls, name), = spec.items()
+    solution = load("solutions", "ex14_detokenizer")
+    return text_module(**{cls: type("Planted", (getattr(solution, cls),), {name: method})})
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_14))
+def test_exercise_14_names_the_planted_mistake(planted):
+    spec, test, message = PLANTED_14[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(planted_text_module(spec))
+
+
+def test_exercise_14_never_fails_with_a_bare_assert():
+    tests = [f for name, f in vars(ex14).items() if name.startswith("test_") and name != "test_end_to_end"]
+    for planted, (spec, _, _) in PLANTED_14.items():
+        for test in tests:
+            params = {"test_pieces_add_up_to_the_text": ([1, 9, 10, 11, 2, 3], "h🙂 oké")}.get(test.__name__, ())
+            try:
+                test(planted_text_module(spec), *params)
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_14_end_to_end_catches_a_leaked_stop_string(llm):
+    with pytest.raises(pytest.fail.Exception, match=r"the engine with your classes"):
+        ex14.test_end_to_end(planted_text_module(PLANTED_14["a stop string leaked across tokens"][0]), llm)
