@@ -16,6 +16,7 @@ The scheduling policies, by name, are in llmlab/policies.py (POLICIES, resolve_p
 """
 from llmlab.experiments.cost_model import FEATURES, CostModel, step_features
 from llmlab.experiments.dense_profile import DenseProfile
+from llmlab.experiments.repeats import Interval, Repeats
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.run import engine_meta, run
 from llmlab.experiments.simulate import simulate
@@ -35,6 +36,7 @@ def __getattr__(name):   # figures need plotly, which a GPU box may not have: im
     raise AttributeError(f"module 'llmlab.experiments' has no attribute {name!r}")
 
 
-__all__ = ["FEATURES", "POLICIES", "CostModel", "DenseProfile", "RequestMetrics", "Result", "StepStats",
+__all__ = ["FEATURES", "POLICIES", "CostModel", "DenseProfile", "Interval", "Repeats", "RequestMetrics", "Result",
+           "StepStats",
            "Workload", "WorkloadRequest", "engine_meta", "read_lengths", "resolve_policy", "run", "simulate", "step_features",
            *FIGURES]

@@ -18,6 +18,7 @@ import math
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.experiments.cost_model import CostModel
+from llmlab.experiments.repeats import Repeats, check_repeats, repeated
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import Trace, step_record
@@ -30,13 +31,27 @@ PLACEHOLDER_TOKEN = 0
 
 
 def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, policy="fcfs",
-             record_trace: bool = False) -> Result:
+             record_trace: bool = False, repeats: int | None = None) -> Result | Repeats:
     """The Result `run(workload, config, policy)` would give if every step took the time
     `cost_model` predicts. `policy`: anything `resolve_policy` takes; it is given the
     simulated clock as `now`, the clock of the workload's arrival times. KV blocks come from
     `config.num_gpu_blocks`, or else from the engine the cost model was fitted on
     (cost_model.meta). `record_trace` also keeps a Trace of every step (what was scheduled,
-    preempted, swapped) for the viz figures."""
+    preempted, swapped) for the viz figures.
+
+    `repeats=k` with `workload` a function of the repeat's index (0 to k - 1), e.g.
+    `lambda seed: Workload.poisson(1000, 5.0, seed=seed)`, simulates k draws of the traffic
+    and returns a `Repeats` (means and 95% intervals, repeats.py). A simulation is
+    deterministic: k repeats of one Workload would be k copies, so that is refused."""
+    if repeats is not None:
+        if isinstance(workload, Workload) and check_repeats(repeats) > 1:
+            raise ValueError("simulate() is deterministic: repeats of the same Workload are the same every time. "
+                             "Pass a function of a seed for new arrivals in each repeat, e.g. "
+                             "lambda seed: Workload.poisson(1000, 5.0, seed=seed)")
+        return repeated(lambda w: simulate(w, config, cost_model, policy, record_trace), workload, repeats)
+    if not isinstance(workload, Workload):
+        raise ValueError(f"simulate() takes a Workload (a function of a seed only with repeats=), got "
+                         f"{type(workload).__name__}")
     workload.check()
     if not isinstance(config, EngineConfig):
         raise ValueError(f"simulate() takes an EngineConfig, got {type(config).__name__}")
