@@ -90,7 +90,9 @@ class Result:
     def summary(self, slo: dict | None = None) -> dict:
         """Percentiles of TTFT, TPOT and E2E (seconds) over the finished requests, output tokens
         per second over the whole run, and with `slo` = {"ttft": s, "tpot": s} (either or both,
-        "e2e" too) the SLO attainment and goodput."""
+        "e2e" too) the SLO attainment and goodput. A simulated result also gives
+        `outside_fitted_range`: the fraction of its steps outside the shapes its cost model
+        was fitted on (fitted_range.py; NaN for a model with no recorded range)."""
         done = [r for r in self.requests if r.finish is not None]
         values = {key: np.array([getattr(r, key) for r in done if getattr(r, key) is not None])
                   for key in SLO_KEYS}
@@ -114,6 +116,8 @@ class Result:
         out["output_tok_s"] = output_tokens / duration if duration > 0 else float("nan")
         out["request_s"] = len(done) / duration if duration > 0 else float("nan")
         out["num_preemptions"] = sum(r.num_preemptions for r in self.requests)
+        if self.meta.get("kind") == "simulate":   # steps whose time the cost model extrapolated
+            out["outside_fitted_range"] = self.meta.get("fitted_range", {}).get("fraction", float("nan"))
         if slo is not None:
             slo = check_slo(slo)
             met = sum(r.meets(slo) for r in self.requests)

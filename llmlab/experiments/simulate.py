@@ -9,15 +9,21 @@ What it assumes, and where that stops holding:
     processes, clock boosts, a Triton compile or a CUDA-graph capture are not in it;
   * every request generates exactly output_len tokens (EOS ignored), as in the real run;
   * placeholder tokens mean prefix-cache hits on *generated* text (two identical prompts
-    recomputed after preemption) are not reproduced; hits on prompts are.
+    recomputed after preemption) are not reproduced; hits on prompts are;
+  * the cost model's straight lines hold past the step shapes it was fitted on: they may
+    not, so the steps outside its fitted range are counted, warned about once
+    (ExtrapolationWarning) and reported by `Result.summary()` as `outside_fitted_range`
+    (fitted_range.py).
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.experiments.cost_model import CostModel
+from llmlab.experiments.fitted_range import ExtrapolationWarning, outside, step_shape, warning_text
 from llmlab.experiments.repeats import Repeats, check_repeats, repeated
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.workload import Workload
@@ -78,6 +84,7 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
                for r in pending}
     trace = Trace(meta={"engine": dict(meta), "simulated": True}) if record_trace else None
     steps: list[StepStats] = []
+    shapes = []      # each step's shape, against the range the cost model was fitted on
     clock, next_index, last_arrival = 0.0, 0, -math.inf
     while next_index < len(pending) or scheduler.has_unfinished():
         while next_index < len(pending) and pending[next_index].arrival_time <= clock:
@@ -98,7 +105,12 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
             clock = pending[next_index].arrival_time   # nothing changes before then
             continue
         swap_blocks = len(plan.swap_in_copies) + len(plan.swap_out_copies)
-        duration = cost_model.step_time(plan.items, swap_blocks) if plan.items else 0.0
+        if plan.items:
+            features = cost_model.features(plan.items, swap_blocks)
+            duration = cost_model.predict(features)
+            shapes.append(step_shape(features))
+        else:
+            duration = 0.0
         start, clock = clock, clock + duration
         for item in plan.prefills:
             m = metrics[item.request.request_id]
@@ -121,6 +133,9 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
         if trace is not None:   # the engine's record of a step (hooks.step_record), the schedule only
             trace.steps.append(step_record(len(steps) - 1, plan, scheduler, sampled, blocks=False,
                                            timings={"forward": duration}, time=clock))
+    extrapolated = outside(shapes, cost_model.fitted_range)
+    if warning_text(extrapolated):    # one warning per simulation, whatever it ran
+        warnings.warn(warning_text(extrapolated), ExtrapolationWarning, stacklevel=2)
     result_meta = {"kind": "simulate", "policy": policy.name, "engine": dict(meta),
-                   "cost_model": cost_model.to_dict()}
+                   "cost_model": cost_model.to_dict(), "fitted_range": extrapolated}
     return Result(list(metrics.values()), steps, result_meta, trace)
