@@ -23,7 +23,6 @@ Presets (any option below overrides its value):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -175,7 +174,7 @@ def calibrate(args) -> dict:
     simulated = simulate(predict, engine.config, cost_model)
     simulate_seconds = time.perf_counter() - start
     save_trace(measured.trace, os.path.join(args.out, "predict_trace.json.gz"))
-    measured.save(os.path.join(args.out, "predict_measured.json"))
+    measured.save(os.path.join(args.out, "predict_measured.json"), trace=False)   # its trace is the file above
     repeat = None
     if args.repeat:
         _progress("running the second workload again")
@@ -238,13 +237,9 @@ def fit_workload(options: dict, seed: int, vocab_size: int):
 
 def save_trace(trace, path) -> None:
     """The trace without what a cost model and the metrics do not read (block tables, block
-    lists: most of its size), gzipped: a GPU run's trace stays a few MB."""
-    steps = [dataclasses.replace(
-        s, block_tables={r: s.block_tables[r] for r in s.swapped_in if r in s.block_tables},
-        host_block_tables={r: s.host_block_tables[r] for r in s.swapped_out if r in s.host_block_tables},
-        allocated_blocks={}, freed_blocks=[], shared_blocks=[], cached_blocks=[]) for s in trace.steps]
+    lists: most of its size; `Trace.without_blocks`), gzipped: a GPU run's trace stays a few MB."""
     with gzip.open(path, "wt") as f:
-        json.dump(dataclasses.replace(trace, steps=steps).to_dict(), f)
+        json.dump(trace.without_blocks().to_dict(), f)
 
 
 def load_trace(path):
