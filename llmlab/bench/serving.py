@@ -1,16 +1,28 @@
-"""Online serving: Poisson arrivals against a running OpenAI-compatible server (TTFT, TPOT, E2E).
+"""Online serving: Poisson (or bursty) arrivals against a running OpenAI-compatible server
+(TTFT, TPOT, ITL, E2E, goodput).
 
     llmlab serve &                                   # or any OpenAI-compatible server
     llmlab bench serving --rate 1,4,inf --num-prompts 100 --out serving.json
+    llmlab bench serving --request-rate 4 --burstiness 0.5 --max-concurrency 16 --goodput ttft:300 tpot:50
 
-The vLLM / SwiftLLM online benchmark, client side only: requests arrive as a Poisson
-process (exponential gaps, mean 1/rate; rate inf sends them all at once), each streams its
-answer, and the client times every chunk. Per rate it reports request and token
-throughput and the mean / p50 / p90 / p99 of
-  TTFT  time to first token: arrival -> first text (queueing + prefill),
+The vLLM / SwiftLLM online benchmark, client side only, with vLLM's `benchmark_serving`
+names: requests arrive with gaps drawn from a gamma distribution of mean 1/rate and shape
+`--burstiness` (1.0, the default, is a Poisson process; below 1 burstier, above 1 more
+even: the gaps' coefficient of variation is 1/sqrt(burstiness)); rate inf sends them all
+at once. `--max-concurrency N` keeps at most N requests in flight: an arrival waits on the
+client for a free slot, and, as in vLLM, its times count from when it is sent (the wait is
+`queued` in the per-request JSON). Each request streams its answer and the client times
+every chunk. Per rate it reports request and token throughput and the mean / p50 / p90 /
+p99 of
+  TTFT  time to first token: sent -> first text (queueing + prefill),
   TPOT  time per output token after the first: (E2E - TTFT) / (output tokens - 1),
   ITL   inter-token latency: the gap between consecutive chunks,
-  E2E   end-to-end latency: arrival -> last token.
+  E2E   end-to-end latency (vLLM's E2EL): sent -> last token;
+with `--goodput` / `--slo` (KEY:MILLISECONDS pairs for ttft, tpot, e2el, e.g. `ttft:300
+tpot:50` or `ttft:300,tpot:50`) also the goodput, requests/s that met every limit (a
+one-token answer has no TPOT and meets any TPOT limit, as vLLM counts it), and the SLO
+attainment. It prints vLLM's "Serving Benchmark Result" block per rate (percentiles chosen
+by `--percentile-metrics` and `--metric-percentiles`, vLLM's defaults) and a table of the sweep.
 Every rate gets the same prompts, so a sweep isolates the effect of load; each rate puts a
 first word of its own in front of them (`for_rate`), because a server that caches prefixes
 (llmlab's and vLLM's do by default) would otherwise serve a later rate's prompts from the
@@ -25,6 +37,7 @@ accepts) makes every request generate exactly its output length.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -66,6 +79,7 @@ class RequestResult:
     latency: float | None = None
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    queued: float = 0.0               # seconds it waited on the client for a slot (--max-concurrency)
 
     @property
     def tpot(self) -> float | None:
@@ -101,20 +115,28 @@ def jsonl_prompts(path: str, num_prompts: int, seed: int = 0, mean_output_len: f
     return [Prompt(rows[i]["prompt"], int(rows[i].get("output_len") or m)) for i, m in zip(order, sampled)]
 
 
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrival times (s), the first at t = 0: gaps from a gamma distribution with shape
+    `burstiness` and mean 1/rate (vLLM's `--burstiness`; `Workload.gamma` with cv =
+    1/sqrt(burstiness), its prompts unused). burstiness 1 is a Poisson process."""
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be a positive number (1.0: Poisson), got {burstiness!r}")
+    workload = Workload.gamma(num, rate, 1 / math.sqrt(burstiness), prompt_len=1, output_len=1, seed=seed)
+    return [r.arrival_time for r in workload]
+
+
 def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival times (s) of `Workload.poisson` (its prompts unused): independent exponential
-    gaps of mean 1/rate, the first request at t = 0."""
-    return [r.arrival_time for r in Workload.poisson(num, rate, prompt_len=1, output_len=1, seed=seed)]
+    """`arrival_times` at burstiness 1: `Workload.poisson`'s arrivals."""
+    return arrival_times(num, rate, 1.0, seed)
 
 
 # ---- the client ----------------------------------------------------------------------------
-async def send(client, model: str, prompt: Prompt, arrival: float, start: float) -> RequestResult:
-    """Stream one completion, timing every chunk (the clock starts at its arrival time)."""
+async def send(client, model: str, prompt: Prompt, arrival: float, sent: float) -> RequestResult:
+    """Stream one completion, timing every chunk from `sent` (perf_counter when it was sent)."""
     result = RequestResult(arrival=arrival, output_len=prompt.output_len)
     payload = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len,
                "temperature": 0.0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
-    sent = start + arrival
     last = None
     try:
         async with client.stream("POST", "/v1/completions", json=payload) as response:
@@ -145,22 +167,37 @@ async def send(client, model: str, prompt: Prompt, arrival: float, start: float)
 
 
 async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float, seed: int = 0,
-                   api_key: str | None = None, progress: bool = True) -> dict:
+                   api_key: str | None = None, progress: bool = True, burstiness: float = 1.0,
+                   max_concurrency: int | None = None, slo_ms: dict | None = None,
+                   percentiles=(50, 90, 99)) -> dict:
     """All prompts at one arrival rate; returns the summary and every request's timings."""
     import asyncio
 
     import httpx
     from tqdm.auto import tqdm
 
-    arrivals = poisson_arrivals(len(prompts), rate, seed)
+    arrivals = arrival_times(len(prompts), rate, burstiness, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # no connection limit: a client-side queue would add to TTFT what the server didn't cause
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    in_flight = {"now": 0, "peak": 0}
     bar = tqdm(total=len(prompts), desc=f"rate {rate:g} req/s", disable=not progress)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         async def one(prompt, arrival):
             await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
-            result = await send(client, model, prompt, arrival, start)
+            if slots is not None:
+                await slots.acquire()      # a request waits here for a free slot, outside its own times
+            sent = time.perf_counter()
+            in_flight["now"] += 1
+            in_flight["peak"] = max(in_flight["peak"], in_flight["now"])
+            try:
+                result = await send(client, model, prompt, arrival, sent)
+            finally:
+                in_flight["now"] -= 1
+                if slots is not None:
+                    slots.release()
+            result.queued = sent - (start + arrival)
             bar.update(1)
             return result
 
@@ -168,25 +205,34 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
         results = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals)))
         duration = time.perf_counter() - start
     bar.close()
-    return {"rate": rate, **summarize(results, duration), "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
+    summary = summarize(results, duration, slo_ms, percentiles)
+    summary["max_concurrent_requests"] = in_flight["peak"]
+    return {"rate": rate, "burstiness": burstiness, "max_concurrency": max_concurrency, **summary,
+            "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+def summarize(results: list[RequestResult], duration: float, slo_ms: dict | None = None,
+              percentiles=(50, 90, 99)) -> dict:
+    """Throughputs and per-metric statistics in milliseconds (mean, std, median and the
+    percentiles asked, keyed "p50", "p90", ...); with `slo_ms` ({"ttft": ms, "tpot": ms,
+    "e2el": ms}, any of them) also the goodput and the fraction of requests that met it."""
     import numpy as np
 
     ok = [r for r in results if r.error is None]
+    quantiles = sorted({50, 90, 99, *percentiles})
 
     def stats(values) -> dict:   # milliseconds
         values = np.array([v for v in values if v is not None]) * 1000
         if not len(values):
             return {}
-        return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
-                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
+        return {"mean": float(values.mean()), "std": float(values.std()), "median": float(np.median(values)),
+                **{f"p{q:g}": float(np.percentile(values, q)) for q in quantiles}}
 
     output_tokens = sum(r.output_tokens for r in ok)
-    return {
+    summary = {
         "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
+        "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in ok)) / duration,
@@ -195,6 +241,17 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
         "itl_ms": stats(x for r in ok for x in r.itl), "e2e_ms": stats(r.latency for r in ok),
     }
+    if slo_ms:
+        good = sum(meets_slo(r, slo_ms) for r in ok)
+        summary.update(slo_ms=dict(slo_ms), request_goodput=good / duration,
+                       slo_attainment=good / len(results) if results else float("nan"))
+    return summary
+
+
+def meets_slo(result: RequestResult, slo_ms: dict) -> bool:
+    """Within every limit of `slo_ms`; a request of one token has no TPOT and meets any TPOT limit."""
+    values = {"ttft": result.ttft, "tpot": result.tpot if result.tpot is not None else 0.0, "e2el": result.latency}
+    return all(values[key] is not None and values[key] <= limit / 1000 for key, limit in slo_ms.items())
 
 
 def for_rate(prompts: list[Prompt], index: int) -> list[Prompt]:
@@ -207,11 +264,14 @@ def for_rate(prompts: list[Prompt], index: int) -> list[Prompt]:
 
 
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
-        api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+        api_key: str | None = None, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
+        max_concurrency: int | None = None, slo_ms: dict | None = None, percentiles=(50, 90, 99)) -> dict:
     """A sweep over `rates` (one warm-up request first); returns the plot-ready results.
     Works from a script and from a notebook cell alike."""
     import httpx
 
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be a positive number of requests, got {max_concurrency}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
         models = client.get("/v1/models")
@@ -219,9 +279,11 @@ def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | N
         model = model or models.json()["data"][0]["id"]
         warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
         warm_up.raise_for_status()
-    results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress))
+    results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress,
+                                       burstiness, max_concurrency, slo_ms, percentiles))
                for i, rate in enumerate(rates)]
     return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
+            "burstiness": burstiness, "max_concurrency": max_concurrency, "slo_ms": slo_ms,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
 
 
@@ -255,6 +317,72 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+VLLM_METRICS = (("ttft", "ttft_ms", "TTFT", "Time to First Token"),
+                ("tpot", "tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+                ("itl", "itl_ms", "ITL", "Inter-token Latency"),
+                ("e2el", "e2e_ms", "E2EL", "End-to-end Latency"))
+
+
+def format_result(result: dict, percentile_metrics=("ttft", "tpot", "itl"), percentiles=(99,)) -> str:
+    """One rate's result as vLLM's benchmark_serving prints it ("Serving Benchmark Result")."""
+    label = "{:<40} {:<10}"
+    number = "{:<40} {:<10.2f}"
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
+             label.format("Successful requests:", result["completed"]),
+             label.format("Failed requests:", result["failed"])]
+    if result.get("max_concurrency") is not None:
+        lines.append(label.format("Maximum request concurrency:", result["max_concurrency"]))
+    if math.isfinite(result["rate"]):
+        lines.append(number.format("Request rate configured (RPS):", result["rate"]))
+    lines += [number.format("Benchmark duration (s):", result["duration_s"]),
+              label.format("Total input tokens:", result["total_input_tokens"]),
+              label.format("Total generated tokens:", result["total_output_tokens"]),
+              number.format("Request throughput (req/s):", result["request_throughput"])]
+    if "request_goodput" in result:
+        lines.append(number.format("Request goodput (req/s):", result["request_goodput"]))
+    lines += [number.format("Output token throughput (tok/s):", result["output_throughput"]),
+              number.format("Total Token throughput (tok/s):", result["total_token_throughput"])]
+    if "max_concurrent_requests" in result:
+        lines.append(label.format("Peak concurrent requests:", result["max_concurrent_requests"]))
+    for key, field_name, name, header in VLLM_METRICS:
+        stats = result.get(field_name)
+        if key not in percentile_metrics or not stats:
+            continue
+        lines += ["{s:{c}^{n}}".format(s=header, n=50, c="-"),
+                  number.format(f"Mean {name} (ms):", stats["mean"]),
+                  number.format(f"Median {name} (ms):", stats["median"])]
+        lines += [number.format(f"P{q:g} {name} (ms):", stats[f"p{q:g}"]) for q in percentiles]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def traffic_lines(rate: float, burstiness: float, max_concurrency: int | None) -> str:
+    """What vLLM prints before it sends a rate's requests."""
+    distribution = "Poisson process" if burstiness == 1.0 else "Gamma distribution"
+    return (f"Traffic request rate: {rate}\nBurstiness factor: {burstiness} ({distribution})\n"
+            f"Maximum request concurrency: {max_concurrency}")
+
+
+def parse_slo(values: list[str] | None) -> dict[str, float]:
+    """--goodput / --slo: KEY:MILLISECONDS pairs, space- or comma-separated, keys ttft, tpot and
+    e2el (vLLM's names; e2e is taken for e2el)."""
+    slo = {}
+    for value in values or []:
+        for pair in value.replace(",", " ").split():
+            key, _, milliseconds = pair.partition(":")
+            key = "e2el" if key == "e2e" else key
+            try:
+                limit = float(milliseconds)
+            except ValueError:
+                raise ValueError(f"--goodput {pair!r}: write KEY:MILLISECONDS, e.g. ttft:300 tpot:50") from None
+            if key not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"--goodput {pair!r}: the keys are ttft, tpot, e2el")
+            if not limit >= 0:
+                raise ValueError(f"--goodput {pair!r}: a limit is a non-negative number of milliseconds")
+            slo[key] = limit
+    return slo
+
+
 # ---- `llmlab bench serving` --------------------------------------------------------------
 def parse_rates(values: list[str]) -> list[float]:
     try:
@@ -272,8 +400,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
-    parser.add_argument("--rate", action="append", default=None,
-                        help="requests/s (Poisson); repeat or comma-separate for a sweep; inf = all at once")
+    parser.add_argument("--rate", "--request-rate", dest="rate", action="append", default=None,
+                        help="requests/s; repeat or comma-separate for a sweep; inf = all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="shape of the gamma-distributed gaps between arrivals (vLLM's): 1.0 = Poisson, "
+                             "< 1 burstier, > 1 more even; the gaps' cv is 1/sqrt(burstiness)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None,
+                        help="at most this many requests in flight; the others wait on the client, and their "
+                             "times start when they are sent (as vLLM's)")
+    parser.add_argument("--goodput", "--slo", dest="slo", nargs="+", default=None, metavar="KEY:MS",
+                        help="SLO for goodput, e.g. ttft:300 tpot:50 (or ttft:300,tpot:50); keys ttft, tpot, e2el")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="metrics whose percentiles vLLM's block prints: ttft, tpot, itl, e2el")
+    parser.add_argument("--metric-percentiles", default="99", help="percentiles to print, e.g. 50,90,99")
     parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", default=None, help='JSONL: {"prompt": str, "output_len": int (optional)}')
     parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_PROMPT_LEN)
@@ -286,12 +425,28 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
     rates = parse_rates(args.rate or ["inf"])
+    slo_ms = parse_slo(args.slo)
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise ValueError(f"--burstiness must be a positive number (1.0: Poisson), got {args.burstiness}")
+    percentile_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = set(percentile_metrics) - {key for key, *_ in VLLM_METRICS}
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        percentiles = []
+    if unknown or not percentiles or not all(0 < p < 100 for p in percentiles):
+        raise ValueError(f"--percentile-metrics takes ttft, tpot, itl, e2el and --metric-percentiles numbers in "
+                         f"(0, 100), got {args.percentile_metrics!r}, {args.metric_percentiles!r}")
     if args.dataset:
         prompts = jsonl_prompts(args.dataset, args.num_prompts, args.seed, args.mean_output_len, args.max_output_len)
     else:
         prompts = synthetic_prompts(args.num_prompts, args.seed, args.mean_input_len, args.mean_output_len,
                                     max_input_len=args.max_input_len, max_output_len=args.max_output_len)
-    report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed)
+    report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed, burstiness=args.burstiness,
+                 max_concurrency=args.max_concurrency, slo_ms=slo_ms or None, percentiles=percentiles)
+    for result in report["results"]:
+        print(traffic_lines(result["rate"], args.burstiness, args.max_concurrency))
+        print(format_result(result, percentile_metrics, percentiles))
     print(format_table(report))
     if args.out:
         write_json(args.out, report)
