@@ -264,7 +264,7 @@ def format_report(report: dict) -> str:
              + ("; without the dense profile: median {median:.1%}, p90 {p90:.1%}".format(
                  **report["without_profile"]["predict_step_error"]) if report.get("without_profile", {}).get(
                  "predict_step_error") else ""),
-             f"decode context fitted up to {fit['range']['decode_context'][1]:,.0f} KV tokens a step; "
+             f"decode context fitted up to {report['cost_model']['meta']['fitted_range']['decode_context'][1]:,.0f} KV tokens a step; "
              f"{report['simulated'].get('outside_fitted_range', float('nan')):.1%} of the second workload's simulated "
              f"steps lie past the fitted range",
              f"runs took {report['seconds']['fit_run']:.1f} s and {report['seconds']['predict_run']:.1f} s; "

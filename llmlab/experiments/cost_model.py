@@ -151,9 +151,9 @@ class CostModel:
         meta["fit"] = {"num_steps": int(len(y)), "num_outliers": int((~keep).sum()),
                        "median_relative_error": float(np.median(error)),
                        "p90_relative_error": float(np.percentile(error, 90)),
-                       "max": {name: float(value) for name, value in zip(FEATURES, X[keep].max(axis=0))},
-                       # the shapes it has seen: a simulation outside them extrapolates (fitted_range.py)
-                       "range": range_of([step_shape(row) for row in X[keep]])}
+                       "max": {name: float(value) for name, value in zip(FEATURES, X[keep].max(axis=0))}}
+        # the shapes it has seen: a simulation past them extrapolates (fitted_range.py)
+        meta["fitted_range"] = range_of([step_shape(row) for row in X[keep]])
         return cls(dict(zip(FEATURES, weights.tolist())), meta, profile)
 
     # ---- files -------------------------------------------------------------------------------

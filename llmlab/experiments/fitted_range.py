@@ -4,8 +4,8 @@ steps of a simulation outside it.
 A cost model is a straight line through the steps it was fitted on. Inside their range it
 interpolates; outside, its lines extrapolate, and nothing measured says they still hold
 (attention over contexts it never saw, batches larger than any it timed). `CostModel.fit`
-records, for four dimensions of a step's shape, the lowest and highest value among the
-steps it kept:
+records (`meta["fitted_range"]`), for four dimensions of a step's shape, the lowest and
+highest value among the steps it kept:
 
   num_tokens         tokens in the step (prompt-chunk tokens + one per decode)
   num_seqs           sequences in the step (decodes + prompt chunks)
@@ -50,11 +50,12 @@ def range_of(shapes) -> dict[str, list[float]]:
 
 
 def fitted_range(meta: dict) -> dict[str, list] | None:
-    """The range a cost model's meta records ({dimension: [low, high]}, None where unknown),
-    or None without a fit. A fit saved before ranges existed gives what its `max` holds."""
+    """The range a cost model's meta records (meta["fitted_range"]: {dimension: [low, high]},
+    None where unknown), or None without a fit. A fit saved before ranges existed gives what
+    its `meta["fit"]["max"]` holds."""
+    if "fitted_range" in meta:
+        return meta["fitted_range"]
     fit = meta.get("fit") or {}
-    if "range" in fit:
-        return fit["range"]
     if "max" in fit:     # the maxima of the terms: two of them are dimensions here, the rest unknown
         return {name: [None, fit["max"][name]] if name in fit["max"] else None for name in RANGE_DIMENSIONS}
     return None

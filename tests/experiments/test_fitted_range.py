@@ -81,8 +81,9 @@ def test_a_model_without_a_fit_has_no_range_and_says_nothing():
 
 def test_the_committed_h200_model_gets_the_range_its_fit_recorded():
     model = CostModel.load(H200_MODEL)
-    saved = json.loads(H200_MODEL.read_text())["meta"]["fit"]
-    assert "range" not in saved                                  # saved before ranges were recorded
+    meta = json.loads(H200_MODEL.read_text())["meta"]
+    saved = meta["fit"]
+    assert "fitted_range" not in meta                            # saved before ranges were recorded
     # its fit kept the maxima of its terms: two of them are dimensions of the range; the rest is unknown
     assert model.fitted_range == {"num_tokens": None, "num_seqs": None,
                                   "decode_context": [None, saved["max"]["decode_context"]],
