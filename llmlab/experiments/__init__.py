@@ -30,8 +30,8 @@ from llmlab.experiments.workload import Workload, WorkloadRequest, read_lengths
 from llmlab.policies import POLICIES, resolve_policy
 
 
-FIGURES = ("compare", "latency_cdf", "prediction_error", "request_timeline", "step_predictions", "step_timeline",
-           "sweep", "workload_figure")
+FIGURES = ("compare", "latency_cdf", "prediction_error", "rate_search", "request_timeline", "step_predictions",
+           "step_timeline", "sweep", "workload_figure")
 
 
 def __getattr__(name):   # figures need plotly, which a GPU box may not have: import on first use

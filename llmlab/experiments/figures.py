@@ -149,6 +149,26 @@ def compare(results, keys=SUMMARY_KEYS, slo: dict | None = None) -> go.Figure:
     return _with_notes(fig, named)
 
 
+def rate_search(searches: dict) -> go.Figure:
+    """SLO attainment at every rate `max_rate` tried ({name: RateSearch}), one line each, with
+    the target and each search's answer marked: where a policy stops meeting its SLO."""
+    fig = go.Figure()
+    for i, (name, search) in enumerate(searches.items()):
+        color = REQUEST_COLORS[i % len(REQUEST_COLORS)]
+        points = sorted(search.points, key=lambda p: p["rate"])
+        fig.add_trace(go.Scatter(x=[p["rate"] for p in points], y=[p["slo_attainment"] for p in points],
+                                 mode="lines+markers", name=f"{name}: {search.rate:.3g} req/s", line=dict(color=color)))
+        if search.rate > 0:
+            fig.add_vline(x=search.rate, line=dict(color=color, dash="dot", width=1))
+    targets = {search.target for search in searches.values()}
+    for target in targets:
+        fig.add_hline(y=target, line=dict(color="#888", dash="dash", width=1))
+    fig.update_layout(title="SLO attainment against the arrival rate (max_rate's bisection)",
+                      xaxis_title="requests/s", yaxis_title="fraction of requests within the SLO",
+                      yaxis_range=[0, 1.02], height=340, margin=dict(t=50, b=40))
+    return fig
+
+
 def _mean(value) -> float:
     """A summary value: a number (one Result) or an Interval (Repeats), whose mean is drawn."""
     return value.mean if isinstance(value, Interval) else value

@@ -78,3 +78,14 @@ def test_max_rate_on_the_real_engine():
     met = [p["rate"] for p in search.points if p["slo_attainment"] >= 0.9]
     assert search.low == max(met, default=0.0)
     assert all(p["rate"] >= search.high for p in search.points if p["slo_attainment"] < 0.9)
+
+
+def test_the_rate_search_figure_draws_every_rate_tried():
+    from llmlab.experiments import rate_search
+
+    search = max_rate(EVEN, "fcfs", {"ttft": STEP + 0.005}, config=CONFIG, cost_model=COST, rel_tol=0.05)
+    fig = rate_search({"fcfs": search})
+    line = fig.data[0]
+    assert list(line.x) == sorted(p["rate"] for p in search.points)
+    assert list(line.y) == [p["slo_attainment"] for p in sorted(search.points, key=lambda p: p["rate"])]
+    assert fig.layout.shapes[0].x0 == search.rate and fig.layout.shapes[1].y0 == 0.9
