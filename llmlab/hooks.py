@@ -151,6 +151,17 @@ class Trace:
                    finished=[RequestFinished(**x) for x in data.get("finished", [])],
                    meta=data.get("meta", {}))
 
+    def without_blocks(self) -> "Trace":
+        """A copy without which blocks each step allocated, freed, shared and cached, and
+        without block tables except those of requests swapped in or out in the step: what
+        the metrics and a cost model read (Result.from_trace, CostModel.fit) is kept, and
+        most of a long run's size is not."""
+        steps = [dataclasses.replace(
+            s, block_tables={r: s.block_tables[r] for r in s.swapped_in if r in s.block_tables},
+            host_block_tables={r: s.host_block_tables[r] for r in s.swapped_out if r in s.host_block_tables},
+            allocated_blocks={}, freed_blocks=[], shared_blocks=[], cached_blocks=[]) for s in self.steps]
+        return dataclasses.replace(self, steps=steps)
+
     def save(self, path) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)

@@ -16,14 +16,13 @@ have predicted ("without_profile"), on the same measured run. `--no-dense-profil
 it off; `--dense-profile` turns it on for h200.
 
 Presets (any option below overrides its value):
-  h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~3-4 minutes on an H200)
-  cpu   the embedded SmolLM2-135M, small workloads (~2.5 minutes on a 2-core laptop)
+  h200  random bf16 weights in the Llama-3-8B shape, 8B-scale workloads (~4 minutes on an H200)
+  cpu   the embedded SmolLM2-135M, small workloads (~3 minutes on a 2-core laptop)
   tiny  a 2-layer random model, a few seconds (a smoke test of this command)
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -34,18 +33,27 @@ from llmlab.bench.common import random_engine, write_json
 from llmlab.machine import recorded_on
 
 # The first workload is bursty (gamma arrivals, cv 3), so its steps cover small and large
-# batches alike; the second has Poisson arrivals at another rate and another length mix.
+# batches alike, and then a burst of long requests arrives at once: a few sequences, each
+# over thousands of tokens of context. The bursty part alone grows its decodes' context with
+# their number (more decodes, more context), so a fit cannot tell the per-token attention
+# cost from the per-sequence cost and leaves decode_context at 0 (the H200 model of
+# 2026-12-01 did); the long part reads many KV tokens with few sequences, and carries the
+# fitted range (fitted_range.py) out to long contexts. The second workload has Poisson
+# arrivals at another rate and another length mix.
 PRESETS = {
     "h200": dict(model="random-llama3-8b", max_num_seqs=128, max_num_batched_tokens=2048,
                  fit_requests=500, fit_rate=10.0, fit_cv=3.0, fit_prompt_len="32,1536", fit_output_len="16,512",
+                 fit_long_requests=48, fit_long_prompt_len="3072,6144", fit_long_output_len="128,512",
                  predict_requests=400, predict_rate=8.0, predict_cv=1.0, predict_prompt_len="16,1024",
                  predict_output_len="32,384"),
     "cpu": dict(model="embedded", threads=1, dense_profile=True, max_num_seqs=16, max_num_batched_tokens=256,
                 fit_requests=48, fit_rate=1.0, fit_cv=3.0, fit_prompt_len="16,256", fit_output_len="8,48",
+                fit_long_requests=3, fit_long_prompt_len="1536,2048", fit_long_output_len="24,48",
                 predict_requests=40, predict_rate=0.7, predict_cv=1.0, predict_prompt_len="8,160",
                 predict_output_len="16,64"),
     "tiny": dict(model="random-tiny", dense_profile=True, max_num_seqs=16, max_num_batched_tokens=64,
                  fit_requests=30, fit_rate=200.0, fit_cv=3.0, fit_prompt_len="4,60", fit_output_len="2,24",
+                 fit_long_requests=4, fit_long_prompt_len="300,400", fit_long_output_len="40,100",
                  predict_requests=30, predict_rate=150.0, predict_cv=1.0, predict_prompt_len="4,40",
                  predict_output_len="4,32"),
 }
@@ -60,6 +68,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     for name, kind in (("max-num-seqs", int), ("max-num-batched-tokens", int), ("fit-requests", int),
                        ("fit-rate", float), ("fit-cv", float), ("fit-prompt-len", str), ("fit-output-len", str),
+                       ("fit-long-requests", int), ("fit-long-prompt-len", str), ("fit-long-output-len", str),
                        ("predict-requests", int), ("predict-rate", float), ("predict-cv", float),
                        ("predict-prompt-len", str), ("predict-output-len", str)):
         parser.add_argument(f"--{name}", type=kind, default=None,
@@ -122,8 +131,7 @@ def calibrate(args) -> dict:
     _progress(f"building the engine ({options['model']})")
     engine = build_engine(options, args)
     vocab = engine.model_config.vocab_size
-    fit = Workload.gamma(options["fit_requests"], options["fit_rate"], options["fit_cv"], options["fit_prompt_len"],
-                         options["fit_output_len"], seed=args.seed, vocab_size=vocab)
+    fit = fit_workload(options, args.seed, vocab)
     predict = Workload.gamma(options["predict_requests"], options["predict_rate"], options["predict_cv"],
                              options["predict_prompt_len"], options["predict_output_len"], seed=args.seed + 1,
                              vocab_size=vocab)
@@ -143,7 +151,9 @@ def calibrate(args) -> dict:
                              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                              workload=f"gamma (cv {options['fit_cv']}) {options['fit_requests']} requests at "
                                       f"{options['fit_rate']}/s, "
-                                      f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}")
+                                      f"prompt {options['fit_prompt_len']}, output {options['fit_output_len']}; "
+                                      f"then {options['fit_long_requests']} at once, "
+                                      f"prompt {options['fit_long_prompt_len']}, output {options['fit_long_output_len']}")
     save_trace(fitted.trace, os.path.join(args.out, "fit_trace.json.gz"))
     cost_model = CostModel.fit(fitted.trace, profile=profile)
     # the same fit without the profile: what it adds, judged on the same measured run
@@ -164,7 +174,7 @@ def calibrate(args) -> dict:
     simulated = simulate(predict, engine.config, cost_model)
     simulate_seconds = time.perf_counter() - start
     save_trace(measured.trace, os.path.join(args.out, "predict_trace.json.gz"))
-    measured.save(os.path.join(args.out, "predict_measured.json"))
+    measured.save(os.path.join(args.out, "predict_measured.json"), trace=False)   # its trace is the file above
     repeat = None
     if args.repeat:
         _progress("running the second workload again")
@@ -207,15 +217,29 @@ def calibrate(args) -> dict:
     return report
 
 
+def fit_workload(options: dict, seed: int, vocab_size: int):
+    """The first workload: the bursty requests, then `fit_long_requests` long ones that all
+    arrive one mean gap after the last of them (ids "long-0", ...)."""
+    from dataclasses import replace
+
+    from llmlab.experiments import Workload
+
+    bursty = Workload.gamma(options["fit_requests"], options["fit_rate"], options["fit_cv"], options["fit_prompt_len"],
+                            options["fit_output_len"], seed=seed, vocab_size=vocab_size)
+    if not options.get("fit_long_requests"):
+        return bursty
+    long = Workload.offline(options["fit_long_requests"], options["fit_long_prompt_len"],
+                            options["fit_long_output_len"], seed=seed + 2, vocab_size=vocab_size)
+    start = bursty.requests[-1].arrival_time + 1 / options["fit_rate"]
+    return Workload(bursty.requests + [replace(r, request_id=f"long-{r.request_id}", arrival_time=start)
+                                       for r in long])
+
+
 def save_trace(trace, path) -> None:
     """The trace without what a cost model and the metrics do not read (block tables, block
-    lists: most of its size), gzipped: a GPU run's trace stays a few MB."""
-    steps = [dataclasses.replace(
-        s, block_tables={r: s.block_tables[r] for r in s.swapped_in if r in s.block_tables},
-        host_block_tables={r: s.host_block_tables[r] for r in s.swapped_out if r in s.host_block_tables},
-        allocated_blocks={}, freed_blocks=[], shared_blocks=[], cached_blocks=[]) for s in trace.steps]
+    lists: most of its size; `Trace.without_blocks`), gzipped: a GPU run's trace stays a few MB."""
     with gzip.open(path, "wt") as f:
-        json.dump(dataclasses.replace(trace, steps=steps).to_dict(), f)
+        json.dump(trace.without_blocks().to_dict(), f)
 
 
 def load_trace(path):
@@ -240,6 +264,9 @@ def format_report(report: dict) -> str:
              + ("; without the dense profile: median {median:.1%}, p90 {p90:.1%}".format(
                  **report["without_profile"]["predict_step_error"]) if report.get("without_profile", {}).get(
                  "predict_step_error") else ""),
+             f"decode context fitted up to {report['cost_model']['meta']['fitted_range']['decode_context'][1]:,.0f} KV tokens a step; "
+             f"{report['simulated'].get('outside_fitted_range', float('nan')):.1%} of the second workload's simulated "
+             f"steps lie past the fitted range",
              f"runs took {report['seconds']['fit_run']:.1f} s and {report['seconds']['predict_run']:.1f} s; "
              f"the simulation {report['seconds']['simulate']:.2f} s; 1-minute load average "
              + " / ".join(f"{v:.1f}" for v in report["load_average"].values()) + " (before / after each run)",

@@ -1,16 +1,28 @@
-"""Online serving: Poisson arrivals against a running OpenAI-compatible server (TTFT, TPOT, E2E).
+"""Online serving: Poisson (or bursty) arrivals against a running OpenAI-compatible server
+(TTFT, TPOT, ITL, E2E, goodput).
 
     llmlab serve &                                   # or any OpenAI-compatible server
     llmlab bench serving --rate 1,4,inf --num-prompts 100 --out serving.json
+    llmlab bench serving --request-rate 4 --burstiness 0.5 --max-concurrency 16 --goodput ttft:300 tpot:50
 
-The vLLM / SwiftLLM online benchmark, client side only: requests arrive as a Poisson
-process (exponential gaps, mean 1/rate; rate inf sends them all at once), each streams its
-answer, and the client times every chunk. Per rate it reports request and token
-throughput and the mean / p50 / p90 / p99 of
-  TTFT  time to first token: arrival -> first text (queueing + prefill),
+The vLLM / SwiftLLM online benchmark, client side only, with vLLM's `benchmark_serving`
+names: requests arrive with gaps drawn from a gamma distribution of mean 1/rate and shape
+`--burstiness` (1.0, the default, is a Poisson process; below 1 burstier, above 1 more
+even: the gaps' coefficient of variation is 1/sqrt(burstiness)); rate inf sends them all
+at once. `--max-concurrency N` keeps at most N requests in flight: an arrival waits on the
+client for a free slot, and, as in vLLM, its times count from when it is sent (the wait is
+`queued` in the per-request JSON). Each request streams its answer and the client times
+every chunk. Per rate it reports request and token throughput and the mean / p50 / p90 /
+p99 of
+  TTFT  time to first token: sent -> first text (queueing + prefill),
   TPOT  time per output token after the first: (E2E - TTFT) / (output tokens - 1),
   ITL   inter-token latency: the gap between consecutive chunks,
-  E2E   end-to-end latency: arrival -> last token.
+  E2E   end-to-end latency (vLLM's E2EL): sent -> last token;
+with `--goodput` / `--slo` (KEY:MILLISECONDS pairs for ttft, tpot, e2el, e.g. `ttft:300
+tpot:50` or `ttft:300,tpot:50`) also the goodput, requests/s that met every limit (a
+one-token answer has no TPOT and meets any TPOT limit, as vLLM counts it), and the SLO
+attainment. It prints vLLM's "Serving Benchmark Result" block per rate (percentiles chosen
+by `--percentile-metrics` and `--metric-percentiles`, vLLM's defaults) and a table of the sweep.
 Every rate gets the same prompts, so a sweep isolates the effect of load; each rate puts a
 first word of its own in front of them (`for_rate`), because a server that caches prefixes
 (llmlab's and vLLM's do by default) would otherwise serve a later rate's prompts from the
@@ -25,11 +37,14 @@ accepts) makes every request generate exactly its output length.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from llmlab.bench.common import write_json
+from llmlab.bench.serving_metrics import (VLLM_METRICS, format_result, format_table, meets_slo, parse_slo,  # noqa: F401
+                                          summarize, traffic_lines)
 from llmlab.experiments.workload import (FIRST_TOKEN_ID, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_MEAN_PROMPT_LEN, Workload,
                                          lognormal_lengths)
 
@@ -66,6 +81,7 @@ class RequestResult:
     latency: float | None = None
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    queued: float = 0.0               # seconds it waited on the client for a slot (--max-concurrency)
 
     @property
     def tpot(self) -> float | None:
@@ -101,20 +117,28 @@ def jsonl_prompts(path: str, num_prompts: int, seed: int = 0, mean_output_len: f
     return [Prompt(rows[i]["prompt"], int(rows[i].get("output_len") or m)) for i, m in zip(order, sampled)]
 
 
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrival times (s), the first at t = 0: gaps from a gamma distribution with shape
+    `burstiness` and mean 1/rate (vLLM's `--burstiness`; `Workload.gamma` with cv =
+    1/sqrt(burstiness), its prompts unused). burstiness 1 is a Poisson process."""
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be a positive number (1.0: Poisson), got {burstiness!r}")
+    workload = Workload.gamma(num, rate, 1 / math.sqrt(burstiness), prompt_len=1, output_len=1, seed=seed)
+    return [r.arrival_time for r in workload]
+
+
 def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival times (s) of `Workload.poisson` (its prompts unused): independent exponential
-    gaps of mean 1/rate, the first request at t = 0."""
-    return [r.arrival_time for r in Workload.poisson(num, rate, prompt_len=1, output_len=1, seed=seed)]
+    """`arrival_times` at burstiness 1: `Workload.poisson`'s arrivals."""
+    return arrival_times(num, rate, 1.0, seed)
 
 
 # ---- the client ----------------------------------------------------------------------------
-async def send(client, model: str, prompt: Prompt, arrival: float, start: float) -> RequestResult:
-    """Stream one completion, timing every chunk (the clock starts at its arrival time)."""
+async def send(client, model: str, prompt: Prompt, arrival: float, sent: float) -> RequestResult:
+    """Stream one completion, timing every chunk from `sent` (perf_counter when it was sent)."""
     result = RequestResult(arrival=arrival, output_len=prompt.output_len)
     payload = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len,
                "temperature": 0.0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
-    sent = start + arrival
     last = None
     try:
         async with client.stream("POST", "/v1/completions", json=payload) as response:
@@ -145,22 +169,37 @@ async def send(client, model: str, prompt: Prompt, arrival: float, start: float)
 
 
 async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float, seed: int = 0,
-                   api_key: str | None = None, progress: bool = True) -> dict:
+                   api_key: str | None = None, progress: bool = True, burstiness: float = 1.0,
+                   max_concurrency: int | None = None, slo_ms: dict | None = None,
+                   percentiles=(50, 90, 99)) -> dict:
     """All prompts at one arrival rate; returns the summary and every request's timings."""
     import asyncio
 
     import httpx
     from tqdm.auto import tqdm
 
-    arrivals = poisson_arrivals(len(prompts), rate, seed)
+    arrivals = arrival_times(len(prompts), rate, burstiness, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # no connection limit: a client-side queue would add to TTFT what the server didn't cause
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    in_flight = {"now": 0, "peak": 0}
     bar = tqdm(total=len(prompts), desc=f"rate {rate:g} req/s", disable=not progress)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         async def one(prompt, arrival):
             await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
-            result = await send(client, model, prompt, arrival, start)
+            if slots is not None:
+                await slots.acquire()      # a request waits here for a free slot, outside its own times
+            sent = time.perf_counter()
+            in_flight["now"] += 1
+            in_flight["peak"] = max(in_flight["peak"], in_flight["now"])
+            try:
+                result = await send(client, model, prompt, arrival, sent)
+            finally:
+                in_flight["now"] -= 1
+                if slots is not None:
+                    slots.release()
+            result.queued = sent - (start + arrival)
             bar.update(1)
             return result
 
@@ -168,33 +207,10 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
         results = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals)))
         duration = time.perf_counter() - start
     bar.close()
-    return {"rate": rate, **summarize(results, duration), "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
-
-
-def summarize(results: list[RequestResult], duration: float) -> dict:
-    import numpy as np
-
-    ok = [r for r in results if r.error is None]
-
-    def stats(values) -> dict:   # milliseconds
-        values = np.array([v for v in values if v is not None]) * 1000
-        if not len(values):
-            return {}
-        return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
-                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
-
-    output_tokens = sum(r.output_tokens for r in ok)
-    return {
-        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "request_throughput": len(ok) / duration,
-        "output_throughput": output_tokens / duration,
-        "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-        "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in ok])) if ok else 0.0,
-        "mean_output_tokens": output_tokens / len(ok) if ok else 0.0,
-        "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
-        "itl_ms": stats(x for r in ok for x in r.itl), "e2e_ms": stats(r.latency for r in ok),
-    }
+    summary = summarize(results, duration, slo_ms, percentiles)
+    summary["max_concurrent_requests"] = in_flight["peak"]
+    return {"rate": rate, "burstiness": burstiness, "max_concurrency": max_concurrency, **summary,
+            "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
 
 
 def for_rate(prompts: list[Prompt], index: int) -> list[Prompt]:
@@ -207,11 +223,14 @@ def for_rate(prompts: list[Prompt], index: int) -> list[Prompt]:
 
 
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
-        api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+        api_key: str | None = None, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
+        max_concurrency: int | None = None, slo_ms: dict | None = None, percentiles=(50, 90, 99)) -> dict:
     """A sweep over `rates` (one warm-up request first); returns the plot-ready results.
     Works from a script and from a notebook cell alike."""
     import httpx
 
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be a positive number of requests, got {max_concurrency}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
         models = client.get("/v1/models")
@@ -219,9 +238,11 @@ def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | N
         model = model or models.json()["data"][0]["id"]
         warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
         warm_up.raise_for_status()
-    results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress))
+    results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress,
+                                       burstiness, max_concurrency, slo_ms, percentiles))
                for i, rate in enumerate(rates)]
     return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
+            "burstiness": burstiness, "max_concurrency": max_concurrency, "slo_ms": slo_ms,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
 
 
@@ -237,22 +258,6 @@ def _run_coroutine(coroutine):
         return asyncio.run(coroutine)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
-
-
-def _cells(stats: dict, scale: float = 1.0, digits: int = 0) -> str:
-    return "/".join(f"{stats[k] * scale:.{digits}f}" for k in ("mean", "p50", "p90", "p99")) if stats else "-"
-
-
-def format_table(report: dict) -> str:
-    lines = [f"{report['model']} at {report['base_url']}, {report['num_prompts']} prompts per rate",
-             f"{'rate':>6} {'ok':>4} {'req/s':>6} {'out tok/s':>9} | "
-             f"{'TTFT ms mean/p50/p90/p99':>26} | {'TPOT ms mean/p50/p90/p99':>26} | {'E2E s mean/p50/p90/p99':>24}"]
-    for r in report["results"]:
-        lines.append(f"{r['rate']:>6g} {r['completed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} | "
-                     f"{_cells(r['ttft_ms']):>26} | {_cells(r['tpot_ms']):>26} | {_cells(r['e2e_ms'], 1e-3, 1):>24}")
-        if r["failed"]:
-            lines.append(f"       {r['failed']} failed, e.g. {r['errors'][0]}")
-    return "\n".join(lines)
 
 
 # ---- `llmlab bench serving` --------------------------------------------------------------
@@ -272,8 +277,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
-    parser.add_argument("--rate", action="append", default=None,
-                        help="requests/s (Poisson); repeat or comma-separate for a sweep; inf = all at once")
+    parser.add_argument("--rate", "--request-rate", dest="rate", action="append", default=None,
+                        help="requests/s; repeat or comma-separate for a sweep; inf = all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="shape of the gamma-distributed gaps between arrivals (vLLM's): 1.0 = Poisson, "
+                             "< 1 burstier, > 1 more even; the gaps' cv is 1/sqrt(burstiness)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None,
+                        help="at most this many requests in flight; the others wait on the client, and their "
+                             "times start when they are sent (as vLLM's)")
+    parser.add_argument("--goodput", "--slo", dest="slo", nargs="+", default=None, metavar="KEY:MS",
+                        help="SLO for goodput, e.g. ttft:300 tpot:50 (or ttft:300,tpot:50); keys ttft, tpot, e2el")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="metrics whose percentiles vLLM's block prints: ttft, tpot, itl, e2el")
+    parser.add_argument("--metric-percentiles", default="99", help="percentiles to print, e.g. 50,90,99")
     parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", default=None, help='JSONL: {"prompt": str, "output_len": int (optional)}')
     parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_PROMPT_LEN)
@@ -286,12 +302,28 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
     rates = parse_rates(args.rate or ["inf"])
+    slo_ms = parse_slo(args.slo)
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise ValueError(f"--burstiness must be a positive number (1.0: Poisson), got {args.burstiness}")
+    percentile_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = set(percentile_metrics) - {key for key, *_ in VLLM_METRICS}
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        percentiles = []
+    if unknown or not percentiles or not all(0 < p < 100 for p in percentiles):
+        raise ValueError(f"--percentile-metrics takes ttft, tpot, itl, e2el and --metric-percentiles numbers in "
+                         f"(0, 100), got {args.percentile_metrics!r}, {args.metric_percentiles!r}")
     if args.dataset:
         prompts = jsonl_prompts(args.dataset, args.num_prompts, args.seed, args.mean_output_len, args.max_output_len)
     else:
         prompts = synthetic_prompts(args.num_prompts, args.seed, args.mean_input_len, args.mean_output_len,
                                     max_input_len=args.max_input_len, max_output_len=args.max_output_len)
-    report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed)
+    report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed, burstiness=args.burstiness,
+                 max_concurrency=args.max_concurrency, slo_ms=slo_ms or None, percentiles=percentiles)
+    for result in report["results"]:
+        print(traffic_lines(result["rate"], args.burstiness, args.max_concurrency))
+        print(format_result(result, percentile_metrics, percentiles))
     print(format_table(report))
     if args.out:
         write_json(args.out, report)

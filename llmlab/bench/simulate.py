@@ -55,5 +55,7 @@ def main(args) -> dict:
           f"(workload built in {built:.1f} s); {summary['duration_s']:.0f} s of engine time")
     print(" ".join(f"{k}={summary[k]:.4g}" for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "itl_p99",
                                                      "output_tok_s")))
+    print(f"{summary['outside_fitted_range']:.1%} of the steps lie past the shapes the cost model was fitted on "
+          f"(their times are extrapolated)")
     write_json(args.out, report)
     return report

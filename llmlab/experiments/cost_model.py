@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from llmlab.experiments.dense_profile import DenseProfile
+from llmlab.experiments.fitted_range import fitted_range, range_of, step_shape
 from llmlab.experiments.result import step_durations
 from llmlab.machine import recorded_on
 
@@ -85,7 +86,21 @@ class CostModel:
 
     def step_time(self, items, swap_blocks: int = 0) -> float:
         """Predicted seconds for a step that runs `items`."""
-        return float(np.dot(self._weights, step_features(items, swap_blocks, self.profile)))
+        return self.predict(self.features(items, swap_blocks))
+
+    def features(self, items, swap_blocks: int = 0) -> list[float]:
+        """The FEATURES of a step that runs `items` (`dense` read from this model's profile)."""
+        return step_features(items, swap_blocks, self.profile)
+
+    def predict(self, features) -> float:
+        """Predicted seconds for a step with these FEATURES."""
+        return float(np.dot(self._weights, features))
+
+    @property
+    def fitted_range(self) -> dict[str, list] | None:
+        """{dimension: [low, high]} of the step shapes it was fitted on (fitted_range.py;
+        None for a dimension not recorded), or None for a model that was not fitted."""
+        return fitted_range(self.meta)
 
     @classmethod
     def constant(cls, seconds: float, meta: dict | None = None) -> "CostModel":
@@ -136,8 +151,9 @@ class CostModel:
         meta["fit"] = {"num_steps": int(len(y)), "num_outliers": int((~keep).sum()),
                        "median_relative_error": float(np.median(error)),
                        "p90_relative_error": float(np.percentile(error, 90)),
-                       # the shapes it has seen: a simulation far outside them extrapolates
                        "max": {name: float(value) for name, value in zip(FEATURES, X[keep].max(axis=0))}}
+        # the shapes it has seen: a simulation past them extrapolates (fitted_range.py)
+        meta["fitted_range"] = range_of([step_shape(row) for row in X[keep]])
         return cls(dict(zip(FEATURES, weights.tolist())), meta, profile)
 
     # ---- files -------------------------------------------------------------------------------
@@ -157,6 +173,10 @@ class CostModel:
             data = json.load(f)
         if "coefficients" not in data:
             raise ValueError(f"{path} is not a saved CostModel (no 'coefficients')")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
         profile = data.get("dense_profile")
         return cls(data["coefficients"], data.get("meta"), None if profile is None else DenseProfile.from_dict(profile))
 

@@ -3,7 +3,8 @@ ran over time, several results side by side, and a simulation's error against a 
 Pure functions, like llmlab/viz: a Result (or several) in, a go.Figure out.
 
 Several results are passed as a dict {name: Result} or a list (named "run 0", "run 1", ...
-unless their meta says "label").
+unless their meta says "label"); `compare` and `sweep` also take `Repeats` (run or simulate
+with repeats=k) and draw their 95% intervals as error bars.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from llmlab.experiments.cost_model import CostModel, swapped_blocks
+from llmlab.experiments.repeats import Interval, Repeats
 from llmlab.experiments.result import Result, step_durations
 from llmlab.experiments.workload import Workload
 from llmlab.machine import machine_note
@@ -21,8 +23,8 @@ METRIC_TITLES = {"ttft": "TTFT (s)", "tpot": "TPOT (s)", "e2e": "E2E latency (s)
 SUMMARY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")
 
 
-def _named(results) -> dict[str, Result]:
-    if isinstance(results, Result):
+def _named(results) -> dict[str, Result | Repeats]:
+    if isinstance(results, (Result, Repeats)):
         return {results.meta.get("label", "run"): results}
     if isinstance(results, dict):
         return dict(results)
@@ -132,17 +134,59 @@ def step_timeline(result: Result) -> go.Figure:
 
 
 def compare(results, keys=SUMMARY_KEYS, slo: dict | None = None) -> go.Figure:
-    """Summary percentiles of several results side by side (grouped bars, seconds)."""
+    """Summary percentiles of several results side by side (grouped bars, seconds). A
+    `Repeats` is drawn as the mean of its repeats with its 95% t interval as an error bar."""
     named = _named(results)
     fig = go.Figure()
     for i, (name, result) in enumerate(named.items()):
         summary = result.summary(slo)
-        text = f" (SLO met {summary['slo_attainment']:.0%})" if slo else ""
-        fig.add_trace(go.Bar(name=name + text, x=list(keys), y=[summary[k] for k in keys],
+        text = f" (SLO met {_mean(summary['slo_attainment']):.0%})" if slo else ""
+        fig.add_trace(go.Bar(name=name + text, x=list(keys), y=[_mean(summary[k]) for k in keys],
+                             error_y=_error_bars([summary[k] for k in keys]),
                              marker_color=REQUEST_COLORS[i % len(REQUEST_COLORS)]))
-    fig.update_layout(barmode="group", title="Latency percentiles", yaxis_title="seconds",
+    fig.update_layout(barmode="group", title="Latency percentiles" + _repeats_note(named), yaxis_title="seconds",
                       height=340, margin=dict(t=50, b=40))
     return _with_notes(fig, named)
+
+
+def rate_search(searches: dict) -> go.Figure:
+    """SLO attainment at every rate `max_rate` tried ({name: RateSearch}), one line each, with
+    the target and each search's answer marked: where a policy stops meeting its SLO."""
+    fig = go.Figure()
+    for i, (name, search) in enumerate(searches.items()):
+        color = REQUEST_COLORS[i % len(REQUEST_COLORS)]
+        points = sorted(search.points, key=lambda p: p["rate"])
+        fig.add_trace(go.Scatter(x=[p["rate"] for p in points], y=[p["slo_attainment"] for p in points],
+                                 mode="lines+markers", name=f"{name}: {search.rate:.3g} req/s", line=dict(color=color)))
+        if search.rate > 0:
+            fig.add_vline(x=search.rate, line=dict(color=color, dash="dot", width=1))
+    targets = {search.target for search in searches.values()}
+    for target in targets:
+        fig.add_hline(y=target, line=dict(color="#888", dash="dash", width=1))
+    fig.update_layout(title="SLO attainment against the arrival rate (max_rate's bisection)",
+                      xaxis_title="requests/s", yaxis_title="fraction of requests within the SLO",
+                      yaxis_range=[0, 1.02], height=340, margin=dict(t=50, b=40))
+    return fig
+
+
+def _mean(value) -> float:
+    """A summary value: a number (one Result) or an Interval (Repeats), whose mean is drawn."""
+    return value.mean if isinstance(value, Interval) else value
+
+
+def _error_bars(values) -> dict | None:
+    """Plotly error bars for the 95% intervals of Repeats; None for plain numbers or one repeat."""
+    if not all(isinstance(v, Interval) and v.low is not None for v in values):
+        return None
+    return dict(type="data", symmetric=False, array=[v.high - v.mean for v in values],
+                arrayminus=[v.mean - v.low for v in values], thickness=1.5)
+
+
+def _repeats_note(results: dict) -> str:
+    counts = sorted({len(r.results) for r in results.values() if isinstance(r, Repeats)})
+    if not counts:
+        return ""
+    return f" (mean of {'/'.join(map(str, counts))} repeats, error bars: 95% t interval)"
 
 
 def prediction_error(measured: Result, predicted: Result,
@@ -161,19 +205,21 @@ def prediction_error(measured: Result, predicted: Result,
 
 def sweep(results: dict, keys=("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"), parameter: str = "parameter",
           slo: dict | None = None) -> go.Figure:
-    """Summary metrics against a swept parameter ({value: Result}): one panel per metric
-    kind (TTFT, TPOT, ...), one line per percentile."""
+    """Summary metrics against a swept parameter ({value: Result or Repeats}): one panel per
+    metric kind (TTFT, TPOT, ...), one line per percentile; Repeats with 95% error bars."""
     values = list(results)
     summaries = [results[v].summary(slo) for v in values]
     kinds = list(dict.fromkeys(k.split("_")[0] for k in keys))
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=[METRIC_TITLES.get(k, k) for k in kinds])
     for i, key in enumerate(keys):
-        fig.add_trace(go.Scatter(x=values, y=[s[key] for s in summaries], name=key, mode="lines+markers",
+        fig.add_trace(go.Scatter(x=values, y=[_mean(s[key]) for s in summaries], name=key, mode="lines+markers",
+                                 error_y=_error_bars([s[key] for s in summaries]),
                                  line=dict(color=REQUEST_COLORS[i % len(REQUEST_COLORS)])),
                       row=1, col=kinds.index(key.split("_")[0]) + 1)
     if all(isinstance(v, (int, float)) and v > 0 for v in values):
         fig.update_xaxes(title_text=parameter, type="log", **log_ticks(min(values), max(values)))
     else:
         fig.update_xaxes(title_text=parameter)
-    fig.update_layout(title=f"Latency against {parameter}", height=340, margin=dict(t=60, b=40))
+    fig.update_layout(title=f"Latency against {parameter}" + _repeats_note(results), height=340,
+                      margin=dict(t=60, b=40))
     return _with_notes(fig, list(results.values()))

@@ -15,6 +15,7 @@ found by sweeping the rate and reading `slo_attainment`.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from array import array
 from dataclasses import dataclass, field
@@ -90,7 +91,9 @@ class Result:
     def summary(self, slo: dict | None = None) -> dict:
         """Percentiles of TTFT, TPOT and E2E (seconds) over the finished requests, output tokens
         per second over the whole run, and with `slo` = {"ttft": s, "tpot": s} (either or both,
-        "e2e" too) the SLO attainment and goodput."""
+        "e2e" too) the SLO attainment and goodput. A simulated result also gives
+        `outside_fitted_range`: the fraction of its steps outside the shapes its cost model
+        was fitted on (fitted_range.py; NaN for a model with no recorded range)."""
         done = [r for r in self.requests if r.finish is not None]
         values = {key: np.array([getattr(r, key) for r in done if getattr(r, key) is not None])
                   for key in SLO_KEYS}
@@ -114,6 +117,8 @@ class Result:
         out["output_tok_s"] = output_tokens / duration if duration > 0 else float("nan")
         out["request_s"] = len(done) / duration if duration > 0 else float("nan")
         out["num_preemptions"] = sum(r.num_preemptions for r in self.requests)
+        if self.meta.get("kind") == "simulate":   # steps whose time the cost model extrapolated
+            out["outside_fitted_range"] = self.meta.get("fitted_range", {}).get("fraction", float("nan"))
         if slo is not None:
             slo = check_slo(slo)
             met = sum(r.meets(slo) for r in self.requests)
@@ -130,34 +135,43 @@ class Result:
                  "tpot": r.tpot, "e2e": r.e2e, "num_preemptions": r.num_preemptions} for r in self.requests]
 
     def to_frame(self):
-        """`to_rows()` as a pandas DataFrame (pandas is not a dependency of llmlab)."""
+        """`to_rows()` as a pandas DataFrame. pandas is optional: llmlab does not install it."""
         try:
             import pandas as pd
-        except ModuleNotFoundError as err:
-            raise ValueError("Result.to_frame needs pandas; to_rows() gives the same as dicts") from err
+        except ImportError as err:
+            raise ImportError("Result.to_frame needs pandas, which is optional (llmlab does not install it): "
+                              "pip install pandas, or use Result.to_rows() (a list of dicts, the same columns)") from err
         return pd.DataFrame(self.to_rows())
 
-    def to_dict(self) -> dict:
+    def to_dict(self, trace: bool = True) -> dict:
+        """Plain data for JSON; with `trace`, the engine's trace too, without its block lists
+        (`Trace.without_blocks`: what `from_trace` and `CostModel.fit` read)."""
         requests = [{"request_id": r.request_id, "arrival": r.arrival, "prompt_len": r.prompt_len,
                      "priority": r.priority, "first_scheduled": r.first_scheduled, "first_token": r.first_token,
                      "finish": r.finish, "token_times": list(r.token_times), "num_preemptions": r.num_preemptions}
                     for r in self.requests]
         steps = [[s.time, s.duration, s.num_prefill_tokens, s.num_decode_tokens, s.num_waiting, s.num_preempted]
                  for s in self.steps]
-        return {"meta": self.meta, "requests": requests, "steps": steps}
+        data = {"meta": self.meta, "requests": requests, "steps": steps}
+        if trace and self.trace is not None:
+            data["trace"] = self.trace.without_blocks().to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Result":
         requests = [RequestMetrics(**{**r, "token_times": array("d", r["token_times"])}) for r in data["requests"]]
-        return cls(requests, [StepStats(*s) for s in data.get("steps", [])], data.get("meta", {}))
+        trace = Trace.from_dict(data["trace"]) if data.get("trace") is not None else None
+        return cls(requests, [StepStats(*s) for s in data.get("steps", [])], data.get("meta", {}), trace)
 
-    def save(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f)
+    def save(self, path, trace: bool = True) -> None:
+        """JSON (gzipped if `path` ends in .gz), with the trace unless `trace=False`: a cost
+        model can be refitted from the file (`CostModel.fit(Result.load(path).trace)`)."""
+        with _open(path, "wt") as f:
+            json.dump(self.to_dict(trace), f)
 
     @classmethod
     def load(cls, path) -> "Result":
-        with open(path) as f:
+        with _open(path, "rt") as f:
             return cls.from_dict(json.load(f))
 
     # ---- from what an engine recorded --------------------------------------------------------
@@ -226,6 +240,10 @@ def step_durations(trace: Trace) -> list[float | None]:
         durations.append(gap if gap is not None and gap > 0 and busy else None)
         previous = s.time
     return durations
+
+
+def _open(path, mode: str):
+    return gzip.open(path, mode) if str(path).endswith(".gz") else open(path, mode[0])
 
 
 def check_slo(slo: dict) -> dict:

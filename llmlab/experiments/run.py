@@ -13,6 +13,7 @@ import time
 
 from llmlab.config import EngineConfig
 from llmlab.engine.engine import LLMEngine
+from llmlab.experiments.repeats import Repeats, repeated
 from llmlab.experiments.result import Result
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import Recorder
@@ -40,14 +41,25 @@ def engine_meta(engine: LLMEngine) -> dict:
             "hidden_size": engine.model_config.hidden_size}
 
 
-def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True) -> Result:
+def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True,
+        repeats: int | None = None) -> Result | Repeats:
     """Drive a real engine through `workload` (an EngineConfig builds a new engine; an LLM or
     LLMEngine is used as it is, and must be idle). Every request generates exactly its
     output_len tokens (greedy, EOS ignored). `policy`: anything `resolve_policy` takes (a
     name, a SchedulingPolicy, "module:Name", a key function); the engine's own policy and
-    clock are put back afterwards. `warmup` first runs one short request, untimed."""
-    workload.check()
+    clock are put back afterwards. `warmup` first runs one short request, untimed.
+
+    `repeats=k` runs it k times on the same engine and returns a `Repeats` (means and 95%
+    intervals, repeats.py); `workload` may then be a function of the repeat's index (0 to
+    k - 1) that returns its Workload, e.g. `lambda seed: Workload.poisson(..., seed=seed)`.
+    A policy object is reused by every repeat: pass its class for a new one in each."""
     engine = _engine(config_or_engine)
+    if repeats is not None:
+        return repeated(lambda w: run(w, engine, policy, warmup), workload, repeats)
+    if not isinstance(workload, Workload):
+        raise ValueError(f"run() takes a Workload (a function of a seed only with repeats=), got "
+                         f"{type(workload).__name__}")
+    workload.check()
     if engine.has_unfinished_requests():
         raise ValueError("run() needs an idle engine; it still has unfinished requests")
     policy = resolve_policy(policy, workload)

@@ -9,15 +9,22 @@ What it assumes, and where that stops holding:
     processes, clock boosts, a Triton compile or a CUDA-graph capture are not in it;
   * every request generates exactly output_len tokens (EOS ignored), as in the real run;
   * placeholder tokens mean prefix-cache hits on *generated* text (two identical prompts
-    recomputed after preemption) are not reproduced; hits on prompts are.
+    recomputed after preemption) are not reproduced; hits on prompts are;
+  * the cost model's straight lines hold past the step shapes it was fitted on: they may
+    not, so the steps outside its fitted range are counted, warned about once
+    (ExtrapolationWarning) and reported by `Result.summary()` as `outside_fitted_range`
+    (fitted_range.py).
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.experiments.cost_model import CostModel
+from llmlab.experiments.fitted_range import ExtrapolationWarning, outside, step_shape, warning_text
+from llmlab.experiments.repeats import Repeats, check_repeats, repeated
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.workload import Workload
 from llmlab.hooks import Trace, step_record
@@ -30,13 +37,27 @@ PLACEHOLDER_TOKEN = 0
 
 
 def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, policy="fcfs",
-             record_trace: bool = False) -> Result:
+             record_trace: bool = False, repeats: int | None = None) -> Result | Repeats:
     """The Result `run(workload, config, policy)` would give if every step took the time
     `cost_model` predicts. `policy`: anything `resolve_policy` takes; it is given the
     simulated clock as `now`, the clock of the workload's arrival times. KV blocks come from
     `config.num_gpu_blocks`, or else from the engine the cost model was fitted on
     (cost_model.meta). `record_trace` also keeps a Trace of every step (what was scheduled,
-    preempted, swapped) for the viz figures."""
+    preempted, swapped) for the viz figures.
+
+    `repeats=k` with `workload` a function of the repeat's index (0 to k - 1), e.g.
+    `lambda seed: Workload.poisson(1000, 5.0, seed=seed)`, simulates k draws of the traffic
+    and returns a `Repeats` (means and 95% intervals, repeats.py). A simulation is
+    deterministic: k repeats of one Workload would be k copies, so that is refused."""
+    if repeats is not None:
+        if isinstance(workload, Workload) and check_repeats(repeats) > 1:
+            raise ValueError("simulate() is deterministic: repeats of the same Workload are the same every time. "
+                             "Pass a function of a seed for new arrivals in each repeat, e.g. "
+                             "lambda seed: Workload.poisson(1000, 5.0, seed=seed)")
+        return repeated(lambda w: simulate(w, config, cost_model, policy, record_trace), workload, repeats)
+    if not isinstance(workload, Workload):
+        raise ValueError(f"simulate() takes a Workload (a function of a seed only with repeats=), got "
+                         f"{type(workload).__name__}")
     workload.check()
     if not isinstance(config, EngineConfig):
         raise ValueError(f"simulate() takes an EngineConfig, got {type(config).__name__}")
@@ -63,6 +84,7 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
                for r in pending}
     trace = Trace(meta={"engine": dict(meta), "simulated": True}) if record_trace else None
     steps: list[StepStats] = []
+    shapes = []      # each step's shape, against the range the cost model was fitted on
     clock, next_index, last_arrival = 0.0, 0, -math.inf
     while next_index < len(pending) or scheduler.has_unfinished():
         while next_index < len(pending) and pending[next_index].arrival_time <= clock:
@@ -83,7 +105,12 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
             clock = pending[next_index].arrival_time   # nothing changes before then
             continue
         swap_blocks = len(plan.swap_in_copies) + len(plan.swap_out_copies)
-        duration = cost_model.step_time(plan.items, swap_blocks) if plan.items else 0.0
+        if plan.items:
+            features = cost_model.features(plan.items, swap_blocks)
+            duration = cost_model.predict(features)
+            shapes.append(step_shape(features))
+        else:
+            duration = 0.0
         start, clock = clock, clock + duration
         for item in plan.prefills:
             m = metrics[item.request.request_id]
@@ -106,6 +133,9 @@ def simulate(workload: Workload, config: EngineConfig, cost_model: CostModel, po
         if trace is not None:   # the engine's record of a step (hooks.step_record), the schedule only
             trace.steps.append(step_record(len(steps) - 1, plan, scheduler, sampled, blocks=False,
                                            timings={"forward": duration}, time=clock))
+    extrapolated = outside(shapes, cost_model.fitted_range)
+    if warning_text(extrapolated):    # one warning per simulation, whatever it ran
+        warnings.warn(warning_text(extrapolated), ExtrapolationWarning, stacklevel=2)
     result_meta = {"kind": "simulate", "policy": policy.name, "engine": dict(meta),
-                   "cost_model": cost_model.to_dict()}
+                   "cost_model": cost_model.to_dict(), "fitted_range": extrapolated}
     return Result(list(metrics.values()), steps, result_meta, trace)

@@ -298,8 +298,8 @@ def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
     assert BENCHMARKS["calibrate"] == "llmlab.bench.calibrate"     # `llmlab bench calibrate ...`
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
-    calibrate.main(parser.parse_args(["--preset", "tiny", "--fit-requests", "12", "--predict-requests", "8",
-                                      "--out", str(tmp_path)]))
+    calibrate.main(parser.parse_args(["--preset", "tiny", "--fit-requests", "12", "--fit-long-requests", "2",
+                                      "--predict-requests", "8", "--out", str(tmp_path)]))
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["relative_error"]) >= {"ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"}
     errors = report["predict_step_error"]
@@ -310,7 +310,10 @@ def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
     trace = calibrate.load_trace(tmp_path / "fit_trace.json.gz")
     # the tiny preset profiles its matrix products: the model keeps the profile, and refits the same from it
     assert cost.profile is not None and cost.profile.rows[-1] == report["options"]["max_num_batched_tokens"]
-    assert len(trace.added) == 12 and CostModel.fit(trace, profile=cost.profile).coefficients == cost.coefficients
+    assert len(trace.added) == 14 and CostModel.fit(trace, profile=cost.profile).coefficients == cost.coefficients
+    assert {a.request_id for a in trace.added} >= {"long-0", "long-1"}       # the long requests, after the bursty ones
+    assert cost.fitted_range["decode_context"][1] > 0
+    assert 0 <= report["simulated"]["outside_fitted_range"] <= 1       # the report says how much it extrapolated
     assert report["without_profile"]["cost_model"]["coefficients"] == CostModel.fit(trace).coefficients
 
 
