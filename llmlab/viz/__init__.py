@@ -21,7 +21,7 @@ from llmlab.viz.figures import batch_composition, memory_usage, request_color, r
 from llmlab.viz.model_figures import (Launch, attention_heatmap, attention_probs, decode_split_ranges, decode_splits,
                                       kernel_benchmark, online_softmax_steps, prefill_tile_schedule, prefill_tiles,
                                       program_map, record_launches, rope_rotation, token_distribution)
-from llmlab.viz.playground import BlockPlayground
+from llmlab.viz.playground import BlockPlayground, unwritten_methods
 from llmlab.viz.style import log_axis, step_axis
 from llmlab.viz.timing_figures import (kernel_timings, latency_comparison, phase_timings, prefix_hits,
                                        request_latencies, serving_latency)
@@ -33,4 +33,4 @@ __all__ = ["Arrival", "BlockPlayground", "FigureView", "Launch", "Stepper", "att
            "latency_comparison", "log_axis", "machine_info", "machine_note", "memory_usage", "online_softmax_steps",
            "phase_timings", "prefill_tile_schedule", "prefill_tiles", "prefix_hits", "program_map", "record",
            "record_launches", "request_color", "request_latencies", "request_states", "request_timeline",
-           "rope_rotation", "serving_latency", "step_axis", "token_distribution"]
+           "rope_rotation", "serving_latency", "step_axis", "token_distribution", "unwritten_methods"]

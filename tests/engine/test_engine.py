@@ -286,9 +286,9 @@ def test_async_engine_abort_ends_the_readers_stream(llm):
     async def main():
         async_engine.start()
         try:
-            stream = await async_engine.add_request("x", llm.tokenizer.encode("Once upon a time"),
-                                                    SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-            async for out in stream.outputs():
+            group = await async_engine.add_requests([("x", llm.tokenizer.encode("Once upon a time"),
+                                                      SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))])
+            async for _, out in group.outputs():
                 async_engine.abort("x")
             return out
         finally:

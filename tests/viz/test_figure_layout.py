@@ -122,4 +122,5 @@ def test_no_label_is_drawn_over_another_or_under_the_toolbar(tmp_path):
     sweep_ticks = layouts[list(drawn).index("sweep")]["ticks"]["xtick"]
     assert sweep_ticks and all(float(t.replace(",", "")) >= 100 for t in sweep_ticks), sweep_ticks   # no bare "3 4 5"
     kernel_ticks = layouts[list(drawn).index("kernel benchmark")]["ticks"]["ytick"]
-    assert kernel_ticks == ["0.2", "0.5"], kernel_ticks         # 0.12 .. 0.9 ms
+    # 0.12 .. 0.9 ms: 1-2-5 ticks written out (viz.style.log_axis), not plotly's bare "2 3 4 5"
+    assert len(kernel_ticks) >= 2 and set(kernel_ticks) <= {"0.1", "0.2", "0.5", "1"}, kernel_ticks
