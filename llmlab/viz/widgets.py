@@ -4,7 +4,7 @@
 that scrubs through the recorded steps, and figures that update in place.
 It also works from code (`stepper.step(3)`, `stepper.figures[...]`), and without a widget
 frontend (nbval, nbconvert, a terminal) it shows static figures, so a notebook runs
-headless unchanged. `FigureView` (a figure updated in place) is shared with playground.py,
+headless unchanged. `FigureView` (a figure redrawn in place) is shared with playground.py,
 the same for a bare BlockManager.
 """
 from __future__ import annotations
@@ -119,56 +119,41 @@ def _engine_meta(engine) -> dict:
 
 # ---- figures that update in place ------------------------------------------------------------
 class FigureView:
-    """A figure shown once and then updated in place: plotly's FigureWidget when it can be
-    built (it needs the anywidget package), else an Output widget that redraws the figure.
-    An update sends the front end only the traces and layout keys that changed."""
+    """A figure shown once and redrawn in place: an Output widget in which each update that
+    changes the figure displays it anew, through the plotly renderer JupyterLab loaded with the
+    page. An update that changes nothing sends nothing.
+
+    Not plotly's FigureWidget, which drew blank axes for good on a loaded machine: it is an
+    anywidget whose 5 MB module is sent and evaluated once per figure, and anywidget drops
+    every message of a model whose module took over 2 s to load, the figure's data (sent just
+    after the widget opens) and every later update among them."""
 
     def __init__(self, fig):
         import ipywidgets as widgets
-        import plotly.graph_objects as go
 
-        try:
-            self.widget, self.in_place = go.FigureWidget(fig), True
-            self._shown = _plotly_json(fig)       # what the front end has: what the next update compares with
-        except ImportError:
-            self.widget, self.in_place = widgets.Output(), False
-            self.update(fig)
+        self.widget = widgets.Output()
+        self.figure, self._shown = None, None     # what the front end has, and its JSON
+        self.update(fig)
 
     def update(self, fig) -> None:
-        if not self.in_place:
-            from IPython.display import clear_output
+        from IPython.display import clear_output
 
-            with self.widget:
-                clear_output(wait=True)
-                _show(fig)
+        shown = _plotly_json(fig)
+        if shown == self._shown:
             return
-        target, new, shown = self.widget, _plotly_json(fig), self._shown
-        with target.batch_update():
-            if [t.get("type") for t in new["data"]] == [t.get("type") for t in shown["data"]]:
-                for old, before, after in zip(target.data, shown["data"], new["data"]):
-                    if after != before:
-                        old.update({k: v for k, v in after.items() if k not in ("type", "uid")}, overwrite=True)
-            else:
-                target.data = []
-                target.add_traces(list(fig.data))
-            changed = {key: value for key, value in new["layout"].items() if shown["layout"].get(key) != value}
-            changed.update({key: None for key in shown["layout"] if key not in new["layout"]})
-            if changed:
-                target.update_layout(changed, overwrite=True)
-        self._shown = new
+        with self.widget:
+            clear_output(wait=True)    # the old figure stays until the new one is drawn: no flicker
+            _show(fig)
+        self.figure, self._shown = fig, shown
 
 
-def _plotly_json(fig) -> dict:
-    """The figure as plain JSON data (lists, not arrays), to compare one update with the last;
-    without uids, which plotly makes up anew for every figure."""
+def _plotly_json(fig) -> str:
+    """The figure as JSON text, to tell whether an update changes anything."""
     import json
 
     from plotly.utils import PlotlyJSONEncoder
 
-    data = json.loads(json.dumps(fig.to_plotly_json(), cls=PlotlyJSONEncoder))
-    for trace in data["data"]:
-        trace.pop("uid", None)
-    return data
+    return json.dumps(fig.to_plotly_json(), cls=PlotlyJSONEncoder, sort_keys=True)
 
 
 # ---- the engine stepper --------------------------------------------------------------------

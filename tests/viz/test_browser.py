@@ -6,6 +6,10 @@ displaying widget", no traceback in any output, and each click changes the figur
     04 (block playground): allocate, fork, swap out, swap in, free, and an error shown as one line
     06 (stepper): Step, Run N, the slider, Reset; step numbers agree in title, slider and status
     08 (stepper over the swap run): Run N until a request is swapped to host memory
+    a stepper on a CPU slowed 20x, run twice: every figure draws (issue #33's blank figures:
+    plotly's FigureWidget dropped its data when its module took over 2 s to load)
+
+Every plot must have drawn marks (heatmap cells, bars, lines, points): empty axes fail.
 
 Uses Debian's /usr/bin/chromium through Playwright's Python package (Playwright's own
 browser download cannot work offline). Screenshots are kept in tests/artifacts/.
@@ -31,14 +35,32 @@ from helpers.browser import CHROMIUM, CHROMIUM_ARGS, skip_without_chromium
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 NOTEBOOKS = ["04_paged_kv_cache.ipynb", "06_iteration_level_scheduling.ipynb", "08_preemption.ipynb"]
+# A stepper on a tiny random model: its figures, not its model, are what a slow machine tests.
+TINY_STEPPER = """import torch
+from llmlab import EngineConfig, LLMEngine, ModelConfig, SamplingParams, viz
+from llmlab.model.llama import LlamaModel
+
+tiny = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0)
+engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=16, block_size=4),
+                   model=LlamaModel.random(tiny, torch.float32, torch.device("cpu"), seed=0))
+greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+stepper = viz.Stepper(engine, [viz.Arrival([1, 2, 3, 4, 5, 6], greedy, 0), viz.Arrival([7, 8, 9], greedy, 1)])
+stepper.step(3)
+stepper"""
+SLOW_MACHINE = 20    # CPU throttling of the slow-machine test: a JS loop runs 20x slower
 RUN_ALL_TIMEOUT_MS = 420_000    # a notebook's Run All on a loaded 2-core CI machine
 
 # Every plotly figure of the open notebook: its title, whether plotly drew it (its SVG is
-# there), whether it lives in a widget, and its data (to see a click change it).
+# there) and how many marks it drew (heatmap images, bars, lines, markers, table cells: empty
+# axes have none), whether it lives in a widget, and its data (to see a click change it).
 READ_FIGURES = """(root) => [...(root || document).querySelectorAll('.js-plotly-plot')].map(gd => {
     const title = gd.layout && gd.layout.title;
     return {title: String((title && (title.text !== undefined ? title.text : title)) || ''),
             drawn: !!gd.querySelector('svg.main-svg'),
+            marks: gd.querySelectorAll('.heatmaplayer image, .barlayer .point, .scatterlayer .js-line, '
+                                       + '.scatterlayer .point, .table .cell-rect').length,
+            traces: (gd.data || []).length,
             in_widget: !!gd.closest('.widget-vbox'),
             data: JSON.stringify((gd.data || []).map(t => [t.name, t.x, t.y, t.z, t.text])),
             shapes: JSON.stringify(((gd.layout || {}).shapes || []).map(s => s.x0))};
@@ -62,6 +84,11 @@ def lab(tmp_path_factory):
     root.mkdir()
     for name in NOTEBOOKS:
         shutil.copy(ROOT / "notebooks" / name, root / name)
+    import nbformat
+
+    stepper = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(TINY_STEPPER)], metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}})
+    nbformat.write(stepper, root / "tiny_stepper.ipynb")
     token, port = secrets.token_hex(16), free_port()
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
@@ -114,11 +141,12 @@ def browser(lab):
             browser.close()
 
 
-def open_and_run_all(browser, lab, notebook):
-    """Open the notebook, wait for its kernel, Run > Run All Cells from the menu bar, wait
-    until every code cell has run; checks that nothing failed. Returns the page."""
+def open_and_run_all(browser, lab, notebook, cpu_slowdown=1, page=None):
+    """Open the notebook (in `page`, or a new one), wait for its kernel, Run > Run All Cells
+    from the menu bar, wait until every code cell has run; checks that nothing failed.
+    `cpu_slowdown` throttles the page's CPU that many times from Run All on. Returns the page."""
     url, token = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = page or browser.new_page(viewport={"width": 1400, "height": 1000})
     # ?reset: a fresh workspace, not the tabs an earlier test left open
     page.goto(f"{url}/lab/tree/{notebook}?reset&token={token}")
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", timeout=120_000)
@@ -134,16 +162,28 @@ def open_and_run_all(browser, lab, notebook):
     page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
                  has_text=re.compile(r"^Run All Cells$")).click()
+    throttle = page.context.new_cdp_session(page) if cpu_slowdown > 1 else None
+    if throttle:        # while the cells run and their widgets load
+        throttle.send("Emulation.setCPUThrottlingRate", {"rate": cpu_slowdown})
     page.wait_for_function(
         "() => { const prompts = [...document.querySelectorAll("
         "'.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim());"
         " return prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t)); }",
         timeout=RUN_ALL_TIMEOUT_MS, polling=1000)
+    if throttle:
+        throttle.send("Emulation.setCPUThrottlingRate", {"rate": 1})
+        throttle.detach()
     assert_nothing_failed(page, notebook)
     return page
 
 
 def assert_nothing_failed(page, notebook):
+    try:      # a figure displayed last may still be drawing
+        page.wait_for_function(f"() => ({READ_FIGURES})(document.querySelector("
+                               "'.jp-NotebookPanel:not(.lm-mod-hidden)')).every(f => f.marks > 0)",
+                               timeout=60_000, polling=1000)
+    except Exception:   # noqa: BLE001 -- the checks below say what is missing
+        pass
     outputs = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output")
     texts = outputs.all_inner_texts()
     tracebacks = [t for t in texts if "Traceback" in t or re.search(r"^\w*Error\b", t, re.M)]
@@ -151,10 +191,22 @@ def assert_nothing_failed(page, notebook):
     body = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").inner_text()
     assert "Error displaying widget" not in body, f"{notebook}: a widget did not display"
     figures = page.evaluate(READ_FIGURES)
-    plotly_outputs = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output.jp-RenderedPlotly").count()
-    assert len([f for f in figures if not f["in_widget"]]) >= plotly_outputs > 0, f"{notebook}: figures missing"
+    # every plotly output of a cell (a widget's figures are outputs of its Output widgets) has its figure
+    plotly_outputs = page.evaluate("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) "
+                                   ".jp-OutputArea-output.jp-RenderedPlotly')].filter(o => !o.closest('.widget-vbox'))"
+                                   ".length")
+    assert len([f for f in figures if not f["in_widget"]]) >= plotly_outputs and figures, f"{notebook}: figures missing"
     assert all(f["drawn"] for f in figures), f"{notebook}: figures not drawn: {[f['title'] for f in figures if not f['drawn']]}"
+    assert_every_plot_has_marks(figures, notebook)
     assert any(f["in_widget"] for f in figures), f"{notebook}: no widget figure"
+
+
+def assert_every_plot_has_marks(figures, where):
+    """No blank plot: empty axes (plotly drew its SVG but no trace) are what a student saw when
+    a widget's figure lost its traces on the way to the front end."""
+    blank = [f"{f['title'] or '(untitled)'} ({f['traces']} traces in the page's data)" for f in figures
+             if not f["marks"]]
+    assert not blank, f"{where}: blank plots, axes but no marks: {blank}"
 
 
 def widget(page, button: str):
@@ -180,6 +232,8 @@ def click_and_wait(box, button, prefix, title=None, timeout=120_000):
         "(title === null ? (f.data !== before.data || f.title !== before.title || f.shapes !== before.shapes)"
         " : f.title === title))",
         arg=[box.element_handle(), prefix, before, title], timeout=timeout, polling=250)
+    if button != "Reset":         # after a Reset no step has run: the step figures are empty
+        assert_every_plot_has_marks(figures_of(box), f"after {button}")
     return titled(box, prefix)
 
 
@@ -282,4 +336,20 @@ def test_08_stepper_until_a_swap(browser, lab):
     swapped = next(t for t in json.loads(timeline["data"]) if t[0] == "swapped")
     assert swapped[2], "the timeline should show a swapped request"
     screenshot(page, "browser_preemption.png")
+    close(page, lab)
+
+
+@pytest.mark.slow
+def test_a_stepper_draws_every_figure_on_a_slow_machine(browser, lab):
+    """Issue #33: on a loaded machine the stepper's figures were blank axes for good. They were
+    plotly FigureWidgets: anywidget loads a widget's module (plotly's 5 MB bundle, once per
+    figure) before it handles any of its messages and drops them all when that takes over 2 s,
+    among them the figure's data, sent just after the widget opens. Run twice in a row, as
+    the blank figures came in one run of three."""
+    page = None
+    for run in range(2):
+        page = open_and_run_all(browser, lab, "tiny_stepper.ipynb", cpu_slowdown=SLOW_MACHINE, page=page)
+        box = widget(page, "Step")
+        assert len(figures_of(box)) == 3, f"run {run}: {figures_of(box)}"
+        assert_every_plot_has_marks(figures_of(box), f"run {run}")
     close(page, lab)
