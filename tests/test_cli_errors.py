@@ -21,6 +21,7 @@ def fails_with(capsys, argv, *words):
 @pytest.mark.parametrize("argv,flag", [
     (["bench", "offline", "--num-requests", "0"], "--num-requests"),
     (["bench", "serving", "--num-prompts", "0"], "--num-prompts"),
+    (["bench", "serving", "--max-concurrency", "0"], "--max-concurrency"),
     (["bench", "hooks", "--steps", "0"], "--steps"),
     (["bench", "sampler", "--repeats", "x"], "--repeats"),
     (["bench", "kv-quant", "--num-tokens", "0"], "--num-tokens"),
@@ -57,10 +58,15 @@ def test_missing_files_and_out_folders_and_no_server(capsys, tmp_path):
     pytest.param(["bench", "offline", "--min-len", "8", "--max-len", "4"], ["--min-len 8", "min <= max"],
                  marks=pytest.mark.slow),       # it builds the engine before it checks the lengths
     (["bench", "serving", "--rate", "abc"], ["--rate must be positive numbers"]),
+    (["bench", "serving", "--burstiness", "0"], ["--burstiness must be a positive number"]),
+    (["bench", "serving", "--goodput", "latency:3"], ["--goodput 'latency:3'", "ttft, tpot, e2el"]),
+    (["bench", "serving", "--metric-percentiles", "100"], ["--metric-percentiles"]),
     (["bench", "simulate", "--cost-model", "c.json", "--prompt-len", "32"], ["--prompt-len must be LOW,HIGH"]),
     (["bench", "simulate", "--cost-model", "c.json", "--output-len", "9,3"], ["--output-len", "LOW <= HIGH"]),
     (["bench", "calibrate", "--out", "cal", "--preset", "tiny", "--fit-prompt-len", "4"],
      ["--fit-prompt-len must be LOW,HIGH"]),
+    (["bench", "calibrate", "--out", "cal", "--preset", "tiny", "--fit-long-prompt-len", "4"],
+     ["--fit-long-prompt-len must be LOW,HIGH"]),
 ])
 def test_values_whose_error_names_the_flag(capsys, argv, words):
     fails_with(capsys, argv, *words)

@@ -187,10 +187,13 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
     bar = tqdm(total=len(prompts), desc=f"rate {rate:g} req/s", disable=not progress)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         async def one(prompt, arrival):
-            await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+            scheduled = start + arrival
+            await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
+            waits = slots is not None and slots.locked()
             if slots is not None:
-                await slots.acquire()      # a request waits here for a free slot, outside its own times
-            sent = time.perf_counter()
+                await slots.acquire()
+            # times count from the arrival; from when a slot freed if it had to wait for one (vLLM's)
+            sent = time.perf_counter() if waits else scheduled
             in_flight["now"] += 1
             in_flight["peak"] = max(in_flight["peak"], in_flight["now"])
             try:
@@ -199,7 +202,7 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
                 in_flight["now"] -= 1
                 if slots is not None:
                     slots.release()
-            result.queued = sent - (start + arrival)
+            result.queued = sent - scheduled
             bar.update(1)
             return result
 

@@ -11,9 +11,10 @@ repeats' values and Student's t interval around it,
 
 the usual 95% confidence interval of a mean from k independent, roughly normal samples.
 It is an interval for the *mean over repeats* of a metric (say the mean of k p90 TTFTs),
-not for single requests. One repeat has no interval (low and high are None, not a zero
-width); a metric that is NaN in a repeat (no TPOT without two tokens) is left out of it,
-and `n` says how many values were used.
+not for single requests; it assumes the k values roughly normal, so for a bounded metric
+(SLO attainment) it can reach past the bound with few repeats. One repeat has no interval
+(low and high are None, not a zero width); a metric that is NaN in a repeat (no TPOT
+without two tokens) is left out of it, and `n` says how many values were used.
 """
 from __future__ import annotations
 

@@ -53,13 +53,14 @@ def run(workload: Workload, config_or_engine, policy="fcfs", warmup: bool = True
     intervals, repeats.py); `workload` may then be a function of the repeat's index (0 to
     k - 1) that returns its Workload, e.g. `lambda seed: Workload.poisson(..., seed=seed)`.
     A policy object is reused by every repeat: pass its class for a new one in each."""
-    engine = _engine(config_or_engine)
-    if repeats is not None:
+    if repeats is not None:    # one engine for every repeat
+        engine = _engine(config_or_engine)
         return repeated(lambda w: run(w, engine, policy, warmup), workload, repeats)
     if not isinstance(workload, Workload):
         raise ValueError(f"run() takes a Workload (a function of a seed only with repeats=), got "
                          f"{type(workload).__name__}")
     workload.check()
+    engine = _engine(config_or_engine)
     if engine.has_unfinished_requests():
         raise ValueError("run() needs an idle engine; it still has unfinished requests")
     policy = resolve_policy(policy, workload)
