@@ -1,7 +1,11 @@
 """Notebooks as a student uses them, beyond one clean Run All (which `make test` runs through
 nbval): every cell run a second time, in order, after a full run, in the same kernel (a cell that
 reuses a name another cell changed, or a server started twice, breaks here); and a notebook
-copied on its own to a folder of the student's, which must still find its data."""
+copied on its own to a folder of the student's, which must still find its data.
+
+The first pass is the clean Run All nbval would make (a fresh kernel in notebooks/, every code
+cell once, any error fails), so conftest.py leaves nbval's own run of a RERUN notebook out
+when this test runs: each notebook executes twice in `make test`, not three times."""
 from __future__ import annotations
 
 import shutil
