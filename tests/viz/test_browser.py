@@ -50,6 +50,7 @@ stepper.step(3)
 stepper"""
 SLOW_MACHINE = 20    # CPU throttling of the slow-machine test: a JS loop runs 20x slower
 RUN_ALL_TIMEOUT_MS = 420_000    # a notebook's Run All on a loaded 2-core CI machine
+ERROR_TEXT = r"Traceback|^\w*Error\b"    # an output that shows an error (re.M: ^ at each line)
 
 # Every plotly figure of the open notebook: its title, whether plotly drew it (its SVG is
 # there) and how many marks it drew (heatmap images, bars, lines, markers, table cells: empty
@@ -165,10 +166,15 @@ def open_and_run_all(browser, lab, notebook, cpu_slowdown=1, page=None):
     throttle = page.context.new_cdp_session(page) if cpu_slowdown > 1 else None
     if throttle:        # while the cells run and their widgets load
         throttle.send("Emulation.setCPUThrottlingRate", {"rate": cpu_slowdown})
+    # every cell numbered, or a traceback shown (kernels send them as stderr): after an error
+    # Run All stops, the cells below never get a number, and waiting for them would only run
+    # out the timeout (7 minutes); assert_nothing_failed then shows the error
     page.wait_for_function(
-        "() => { const prompts = [...document.querySelectorAll("
-        "'.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim());"
-        " return prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t)); }",
+        "() => { const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');"
+        " const prompts = [...panel.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim());"
+        " const failed = [...panel.querySelectorAll('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]')]"
+        f".some(o => new RegExp({json.dumps(ERROR_TEXT)}, 'm').test(o.textContent));"
+        " return failed || (prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t))); }",
         timeout=RUN_ALL_TIMEOUT_MS, polling=1000)
     if throttle:
         throttle.send("Emulation.setCPUThrottlingRate", {"rate": 1})
@@ -177,17 +183,21 @@ def open_and_run_all(browser, lab, notebook, cpu_slowdown=1, page=None):
     return page
 
 
+def assert_no_error_output(page, notebook):
+    texts = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output").all_inner_texts()
+    tracebacks = [t for t in texts if re.search(ERROR_TEXT, t, re.M)]
+    assert not tracebacks, f"{notebook}: an output shows an error:\n{tracebacks[0][-2000:]}"
+
+
 def assert_nothing_failed(page, notebook):
+    assert_no_error_output(page, notebook)     # before waiting a minute for figures that will not come
     try:      # a figure displayed last may still be drawing
         page.wait_for_function(f"() => ({READ_FIGURES})(document.querySelector("
                                "'.jp-NotebookPanel:not(.lm-mod-hidden)')).every(f => f.marks > 0)",
                                timeout=60_000, polling=1000)
     except Exception:   # noqa: BLE001 -- the checks below say what is missing
         pass
-    outputs = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output")
-    texts = outputs.all_inner_texts()
-    tracebacks = [t for t in texts if "Traceback" in t or re.search(r"^\w*Error\b", t, re.M)]
-    assert not tracebacks, f"{notebook}: an output shows an error:\n{tracebacks[0][-2000:]}"
+    assert_no_error_output(page, notebook)
     body = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").inner_text()
     assert "Error displaying widget" not in body, f"{notebook}: a widget did not display"
     figures = page.evaluate(READ_FIGURES)
