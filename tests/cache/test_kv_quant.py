@@ -151,6 +151,14 @@ def int8_alone(llm):
     return [run_all(engine, [p])[0].token_ids for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def int8_batched(llm):
+    """The prompts batched on an int8 cache, every prefill in one step (the engine and its
+    greedy tokens): one run that two tests check."""
+    engine = make_engine(llm, num_gpu_blocks=256, max_num_batched_tokens=2048)
+    return engine, [o.token_ids for o in run_all(engine, PROMPTS)]
+
+
 def test_kv_stats_report_the_cache_dtype_and_block_bytes(llm):
     int8, auto = make_engine(llm, cpu_kv_cache_gib=0.05), make_engine(llm, "auto", cpu_kv_cache_gib=0.05)
     assert (int8.kv_stats()["kv_cache_dtype"], auto.kv_stats()["kv_cache_dtype"]) == ("int8", "float32")
@@ -159,13 +167,15 @@ def test_kv_stats_report_the_cache_dtype_and_block_bytes(llm):
     assert int8.kv_stats()["total_device_blocks"] == int(0.05 * 2**30) // (2 * 30 * 16 * 3 * 68)
 
 
-def test_int8_batch_and_chunked_prefill_equal_each_prompt_alone(llm, int8_alone):
+def test_int8_batch_and_chunked_prefill_equal_each_prompt_alone(llm, int8_alone, int8_batched):
     """A token's codes and scale depend on that token's K/V only, so how prompts are batched
     or chunked does not change what the cache holds."""
-    for budget in (2048, 8):
-        engine = make_engine(llm, num_gpu_blocks=256, max_num_batched_tokens=budget)
-        assert [o.token_ids for o in run_all(engine, PROMPTS)] == int8_alone
-        assert_all_blocks_free(engine)
+    engine, tokens = int8_batched
+    assert tokens == int8_alone
+    assert_all_blocks_free(engine)
+    engine = make_engine(llm, num_gpu_blocks=256, max_num_batched_tokens=8)
+    assert [o.token_ids for o in run_all(engine, PROMPTS)] == int8_alone
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -194,9 +204,8 @@ def test_int8_prefix_caching_reuses_quantized_blocks(llm, int8_alone):
     assert_all_blocks_free(engine)
 
 
-def test_int8_runs_are_deterministic_and_close_to_full_precision(llm, int8_alone):
-    engine = make_engine(llm, num_gpu_blocks=256)
-    assert [o.token_ids for o in run_all(engine, PROMPTS)] == int8_alone
+def test_int8_runs_are_deterministic_and_close_to_full_precision(llm, int8_alone, int8_batched):
+    assert int8_batched[1] == int8_alone      # a second int8 engine, the same tokens
     full = [o.token_ids for o in run_all(make_engine(llm, "auto", num_gpu_blocks=256), PROMPTS)]
     # an 8-bit cache may flip a near-tie, but not the first tokens of every prompt
     assert sum(a[:4] == b[:4] for a, b in zip(full, int8_alone)) >= 3
