@@ -32,7 +32,9 @@ def test_settings_and_workload():
 
 @pytest.mark.slow
 def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
-    args = parse("--num-requests", "3", "--input-len", "40", "--output-len", "4", "--prefix-len", "32",
+    # 2 output tokens: a prefill and a decode step per request; each token more is 6 steps of
+    # the embedded model per engine (3 requests one at a time, 2 settings)
+    args = parse("--num-requests", "3", "--input-len", "40", "--output-len", "2", "--prefix-len", "32",
                  "--compare", "temperature=0.7,top_p=0.9,seed=1", "--compare-prefix-caching",
                  "--num-gpu-blocks", "64", "--max-num-seqs", "1", "--warmup", "light", "--out", str(tmp_path / "r.json"))
     results = offline.main(args)

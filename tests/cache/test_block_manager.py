@@ -9,6 +9,8 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.request import Request
 from llmlab.sampling import SamplingParams
 
+from helpers.engine import assert_all_blocks_free, cpu_engine, run_all, tiny_model, tiny_prompt
+
 
 def hashes_from_scratch(token_ids, block_size):
     hashes, parent = [], None
@@ -38,14 +40,12 @@ def test_incremental_hashes_equal_hashes_from_scratch(prompt, outputs, block_siz
     assert len(request.block_hashes) == request.num_tokens // block_size
 
 
-@pytest.mark.slow
-def test_each_block_is_hashed_once(llm):
+def test_each_block_is_hashed_once():
     """Across a whole run with prefix caching on, the number of blocks hashed equals the
-    number of full blocks the requests ever had: nothing is re-hashed step after step."""
-    engine = llm.engine
+    number of full blocks the requests ever had: nothing is re-hashed step after step.
+    (Hashing sees token ids only: the tiny model runs the same schedule in milliseconds.)"""
+    engine = cpu_engine(tiny_model(), num_gpu_blocks=64, enable_prefix_caching=True)
     manager = engine.block_manager
-    saved = manager.enable_prefix_caching
-    manager.enable_prefix_caching = True
     hashed = []
     original = BlockManager.block_hashes
 
@@ -57,7 +57,7 @@ def test_each_block_is_hashed_once(llm):
 
     BlockManager.block_hashes = counting
     try:
-        prompts = ["Tell me about the moon in three sentences.", "Name five rivers in Europe and one fact each."]
+        prompts = [tiny_prompt(30, seed=1), tiny_prompt(37, seed=2)]
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in prompts]
         requests = [engine.requests[i] for i in ids]
@@ -65,31 +65,27 @@ def test_each_block_is_hashed_once(llm):
             engine.step()
     finally:
         BlockManager.block_hashes = original
-        manager.enable_prefix_caching = saved
     bs = manager.block_size
     full_blocks = sum((r.num_tokens - 1) // bs for r in requests)   # the last token is never computed
+    assert full_blocks >= 8
     assert sum(hashed) <= full_blocks + len(requests)
     assert sum(hashed) >= full_blocks
 
 
-def test_requests_sharing_a_prefix_admitted_together_compute_it_once(llm):
+def test_requests_sharing_a_prefix_admitted_together_compute_it_once():
     """Two prompts with the same 3-block prefix arrive in the same step: the second waits a
     step and then finds the prefix in the cache, instead of computing it alongside the first.
     Greedy outputs are the same as with prefix caching off."""
-    engine = llm.engine
-    manager = engine.block_manager
-    prefix = list(range(100, 100 + 3 * manager.block_size))
+    model = tiny_model()
+    engines = {caching: cpu_engine(model, num_gpu_blocks=64, enable_prefix_caching=caching)
+               for caching in (False, True)}
+    block_size = engines[True].block_manager.block_size
+    prefix = tiny_prompt(3 * block_size, seed=3)
     prompts = [prefix + [7, 8, 9], prefix + [10, 11]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    without = [o.token_ids for o in llm.generate(prompts, params)]
-    manager.enable_prefix_caching = True
-    try:
-        manager.reset_prefix_cache()
-        outputs = llm.generate(prompts, params)
-    finally:
-        manager.reset_prefix_cache()
-        manager.enable_prefix_caching = False
+    without = [o.token_ids for o in run_all(engines[False], prompts, params)]
+    outputs = run_all(engines[True], prompts, params)
     assert [o.token_ids for o in outputs] == without
     assert outputs[0].num_cached_prompt_tokens == 0
-    assert outputs[1].num_cached_prompt_tokens == 3 * manager.block_size
-    assert engine.kv_stats()["free_device_blocks"] == engine.kv_stats()["total_device_blocks"]
+    assert outputs[1].num_cached_prompt_tokens == 3 * block_size
+    assert_all_blocks_free(engines[True])
