@@ -1,6 +1,6 @@
 """GuideLLM and `bench serving` measure one server on the same workload, one after the other.
 
-    make clients                                      # once: .venv-clients with GuideLLM (issue #40)
+    make bench-guidellm ARGS="..."                    # builds .venv-clients (GuideLLM) first, then:
     llmlab bench guidellm [--prompt-tokens 128 --output-tokens 128 --max-concurrency 16]
                           [--num-requests 32 --sweep-size 4 --sweep-requests 16] [--base-url URL] [--out F]
 
