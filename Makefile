@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # missing folder is not an error.
 NOTEBOOKS := $(if $(wildcard notebooks/*.ipynb),notebooks)
 
-.PHONY: demo test test-fast grade lab clients clean
+.PHONY: demo test test-fast grade lab clients bench-guidellm clean
 
 demo: $(STAMP)
 	$(VENV)/bin/llmlab demo
@@ -38,6 +38,11 @@ CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
 clients: $(STAMP) $(CLIENTS_STAMP)
 	LLMLAB_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(VENV)/bin/python -m pytest tests/server/test_real_clients.py -v -s
+
+# GuideLLM and `llmlab bench serving` on one `llmlab serve`, the same workload, side by side
+# (BENCHMARKS.md, "Online serving"); `make bench-guidellm ARGS="--max-concurrency 8"` passes flags on.
+bench-guidellm: $(STAMP) $(CLIENTS_STAMP)
+	$(VENV)/bin/llmlab bench guidellm --clients-venv $(CLIENTS_VENV) $(ARGS)
 
 $(CLIENTS_STAMP):
 	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)

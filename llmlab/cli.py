@@ -104,6 +104,8 @@ BENCHMARKS = {
     "single-forward": "llmlab.bench.single_forward",
     "offline": "llmlab.bench.offline",
     "serving": "llmlab.bench.serving",
+    "guidellm": "llmlab.bench.guidellm_vs_serving",
+    "prompt-batch": "llmlab.bench.prompt_batch",
     "hooks": "llmlab.bench.hooks",
     "kv-quant": "llmlab.bench.kv_quant",
     "calibrate": "llmlab.bench.calibrate",

@@ -1,5 +1,6 @@
 """What the benchmarks share: the Llama-3-8B shape, timers, paged KV caches for the kernel
-benchmarks, engines (and HF peers) on random weights, and writing results to --out.
+benchmarks, engines (and HF peers) on random weights, writing results to --out, and an
+`llmlab serve` process for the benchmarks that measure a server as a client (`served`).
 
     from llmlab.bench.common import median_ms, paged_cache, random_engine, write_json
     ms = median_ms(lambda: runner.forward(*inputs), repeats=20)     # CUDA events, median of 20
@@ -17,6 +18,7 @@ The machine a time was measured on is in llmlab/machine.py.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -246,3 +248,51 @@ def write_json(path, data, indent=1) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(data, f, indent=indent)
+
+
+# ----------------------------------------------------------------------------- a server to measure
+
+@contextlib.contextmanager
+def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900):
+    """The base URL of the server a client benchmark measures: `base_url` when given, else an
+    `llmlab serve` started here in a process of its own (so the measuring client never shares
+    the engine's interpreter) on a free loopback port, with `serve_args` (e.g. "--max-num-seqs
+    16"), stopped by SIGTERM when the block ends. Its output goes to this process's stderr."""
+    if base_url:
+        yield base_url.rstrip("/")
+        return
+    import shlex
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as probe:    # a free port on the loopback interface
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), "--log-level", "warning",
+               *shlex.split(serve_args)]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"`{shlex.join(command)}` exited with status {process.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`{shlex.join(command)}` did not answer /health within {timeout_s:g} s")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,6 +1,9 @@
 """Notebook 10, sampling: temperature, top-p and min-p on a four-token distribution, computed by
-`Sampler.probabilities` (the exact distribution the engine draws from)."""
+`Sampler.probabilities` (the exact distribution the engine draws from); the logprob the sampler
+reports for a drawn token (`Sampler.logprobs`)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -57,4 +60,25 @@ def q3(answer):
     return wrong("logits = log(p); softmax(logits / 2), or Sampler.probabilities with temperature=2.0.")
 
 
-QUESTIONS = {"q1": q1, "q2": q2, "q3": q3}
+def q4(answer):
+    """The same distribution, `SamplingParams(temperature=2.0, logprobs=1)`: the most likely token is
+    drawn. What logprob does the engine report for it?"""
+    value = number(answer)
+    params = SamplingParams(temperature=2.0, logprobs=1)
+    logits = torch.tensor(PROBS).log()[None, :]
+    expected = Sampler().logprobs(logits, [params], torch.tensor([0])).entries()[0].logprob
+    if close(value, expected, 0.005):
+        return right("a sampled token's logprob is under the distribution it was drawn from: after the "
+                     "temperature (and any top-k / top-p / min-p cut), as vLLM reports it by default.")
+    if close(value, math.log(PROBS[0]), 0.005):
+        return wrong("that is the model's own logprob, at temperature 1; the engine reports it under the "
+                     "distribution the token was drawn from.")
+    if value > 0:
+        return wrong("a log-probability is the log of a probability: never above 0.")
+    if close(value, math.log(PROBS[0]) / 2, 0.005):
+        return wrong("temperature divides the logits, not the logprobs: take the log of the probability "
+                     "after softmax(logits / T).")
+    return wrong("the probability of the top token at T = 2 (question 3), then its natural log.")
+
+
+QUESTIONS = {"q1": q1, "q2": q2, "q3": q3, "q4": q4}

@@ -65,7 +65,7 @@ def test_check_prints_right_wrong_and_a_summary(capsys):
     lines = [line for line in printed if line.startswith("  q")]      # feedback wraps onto indented lines
     assert lines[0].startswith("  q1: right - ") and lines[1].startswith("  q2: not yet - ")
     assert lines[2] == "  q3: not answered yet"
-    assert printed[-1] == "1 of 3 right, 1 not answered yet."
+    assert printed[-1] == "1 of 4 right, 2 not answered yet."
 
 
 def test_answers_that_are_not_a_dict_are_refused_in_words(capsys):

@@ -43,7 +43,8 @@ RIGHT = {
            "q2": 1, "q3": 16},
     "10": {"q1": 2,             # 0.5 < 0.75 <= 0.8
            "q2": 3,             # p >= 0.2 * 0.5
-           "q3": 0.379},        # sqrt(0.5) / sum(sqrt(p))
+           "q3": 0.379,         # sqrt(0.5) / sum(sqrt(p))
+           "q4": math.log(math.sqrt(0.5) / sum(math.sqrt(p) for p in (0.5, 0.3, 0.15, 0.05)))},  # drawn at T = 2
     "11": {"q1": 16.81 / 4,             # the seed's gaps at rate 1, four times closer
            "q2": 300,      # (1300 - 400) / (4 - 1)
            "q3": "b", "q4": INF_RATE_RESULT},
@@ -75,6 +76,7 @@ WRONG = [
     ("09", "q3", 19, "whole blocks"), ("09", "q3", 24, "chain breaks"),
     ("10", "q1", 1, "reach 0.75"), ("10", "q1", 3, "third token"), ("10", "q2", 2, "relative"),
     ("10", "q3", 0.5, "divided by T"), ("10", "q3", 0.25, "not dividing probabilities"),
+    ("10", "q4", math.log(0.5), "drawn from"), ("10", "q4", 0.379, "log"), ("10", "q4", math.log(0.5) / 2, "log of"),
     ("11", "q1", 16.81, "1 request per second"), ("11", "q1", 2.75, "on average"), ("11", "q2", 325, "E2E / tokens"),
     ("11", "q2", 225, "how many more"), ("11", "q3", "c", "poisson_arrivals"),
     ("11", "q4", {**INF_RATE_RESULT, "rate": 8.0}, "float('inf')"),

@@ -1,0 +1,167 @@
+"""GuideLLM and `bench serving` measure one server on the same workload, one after the other.
+
+    make bench-guidellm ARGS="..."                    # builds .venv-clients (GuideLLM) first, then:
+    llmlab bench guidellm [--prompt-tokens 128 --output-tokens 128 --max-concurrency 16]
+                          [--num-requests 32 --sweep-size 4 --sweep-requests 16] [--base-url URL] [--out F]
+
+GuideLLM is the load generator users bring from vLLM; this shows whether `bench serving`
+reports what it reports. One `llmlab serve` (started here, embedded model, unless --base-url
+names a running server) is measured:
+  * throughput: GuideLLM's `throughput` profile (every request at once, at most
+    --max-concurrency in flight), then `bench serving` at rate inf with the same
+    --max-concurrency;
+  * sweep: GuideLLM's `sweep` profile (synchronous, throughput, then --sweep-size - 2 Poisson
+    rates between the two), then `bench serving` at each point it ran: one request at a time,
+    rate inf at --max-concurrency, and each Poisson rate (burstiness 1) at --max-concurrency.
+Both send fixed lengths with ignore_eos: GuideLLM's synthetic prompts of exactly
+--prompt-tokens tokens, `bench serving`'s synthetic prompts of as many words (about one token
+each: the table shows both prompt lengths as the server counted them) and every output
+exactly --output-tokens long. Each `bench serving` point gets prompts of its own seed, so the
+prefix cache never serves one point from another's.
+
+The table puts the two output tok/s side by side (GuideLLM's `output_tokens_per_second`
+mean, the figure its console table shows; `bench serving`'s output tokens / duration), with
+GuideLLM's errored requests and both TTFT and ITL medians. GuideLLM runs from the clients'
+venv (--clients-venv, default $LLMLAB_CLIENTS_VENV or .venv-clients), offline, with the
+embedded model's tokenizer folder.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from llmlab.bench.common import served, write_json
+
+
+def add_arguments(parser) -> None:
+    from llmlab.cli_flags import positive_int
+
+    parser.add_argument("--base-url", default=None, help="a running server (default: start `llmlab serve` here)")
+    parser.add_argument("--serve-args", default="", help='flags for the server started here, e.g. "--max-num-seqs 16"')
+    parser.add_argument("--clients-venv", default=os.environ.get("LLMLAB_CLIENTS_VENV", ".venv-clients"),
+                        help="the venv with GuideLLM (make clients builds .venv-clients)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for GuideLLM (default: the embedded model's)")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128)
+    parser.add_argument("--output-tokens", type=positive_int, default=128)
+    parser.add_argument("--max-concurrency", type=positive_int, default=16)
+    parser.add_argument("--num-requests", type=positive_int, default=32, help="requests of the throughput run")
+    parser.add_argument("--sweep-size", type=int, default=4,
+                        help="points of GuideLLM's sweep (at least 2: synchronous and throughput); 0 = no sweep")
+    parser.add_argument("--sweep-requests", type=positive_int, default=16, help="requests per sweep point")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write every point of both clients as JSON")
+
+
+# ---- GuideLLM ------------------------------------------------------------------------------
+def guidellm(args, url: str, model: str, tokenizer: str, profile: str, num_requests: int) -> list[dict]:
+    """Run GuideLLM once (`profile`: its --profile value); its benchmarks, as its JSON has them."""
+    binary = Path(args.clients_venv).resolve() / "bin" / "guidellm"    # (it runs in a folder of its own)
+    if not binary.exists():
+        raise ValueError(f"no GuideLLM at {binary}: `make clients` builds .venv-clients, or pass --clients-venv")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)    # its own packages, not ours
+    with tempfile.TemporaryDirectory() as folder:
+        output = Path(folder) / "guidellm.json"
+        command = [str(binary), "run",
+                   "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+                   "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+                   "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+                   "--profile", profile, "--constraint", f"kind=max_requests,count={num_requests}",
+                   "--output", f"kind=json,path={output}", "--disable-console-interactive"]
+        print("$", " ".join(command), flush=True)
+        subprocess.run(command, cwd=folder, env=env, check=True)
+        return json.loads(output.read_text())["benchmarks"]
+
+
+def guidellm_point(benchmark: dict, max_concurrency: int) -> dict:
+    """One GuideLLM benchmark: the load it ran (as `bench serving` takes it: rate, concurrency)
+    and what it measured."""
+    strategy, metrics = benchmark["config"]["strategy"], benchmark["metrics"]
+    kind = strategy["type_"]
+    rate, concurrency = {"synchronous": (math.inf, 1), "throughput": (math.inf, strategy.get("max_concurrency"))
+                         }.get(kind, (strategy.get("rate"), strategy.get("max_concurrency")))
+    if kind not in ("synchronous", "throughput", "poisson"):
+        raise ValueError(f"GuideLLM ran a {kind!r} point, which `bench serving` has no match for")
+    totals = metrics["request_totals"]
+
+    def successful(name, statistic):
+        return metrics[name]["successful"][statistic]
+
+    return {"point": kind if kind != "poisson" else f"poisson {rate:.2f}/s", "rate": rate,
+            "max_concurrency": concurrency or max_concurrency,
+            "guidellm": {"output_tok_s": successful("output_tokens_per_second", "mean"),
+                         "successful": totals["successful"], "errored": totals["errored"],
+                         "incomplete": totals["incomplete"],
+                         "ttft_p50_ms": successful("time_to_first_token_ms", "median"),
+                         "itl_p50_ms": successful("inter_token_latency_ms", "median"),
+                         "mean_prompt_tokens": successful("prompt_token_count", "mean")}}
+
+
+# ---- bench serving on the same point --------------------------------------------------------
+def serving_point(args, url: str, model: str, point: dict, num_requests: int, seed: int) -> dict:
+    from llmlab.bench import serving
+
+    # sigma 0: every prompt --prompt-tokens words (the one `serving.run` puts in front of each
+    # point's prompts included: `for_rate`), every output exactly --output-tokens
+    words = max(args.prompt_tokens - 1, 1)
+    prompts = serving.synthetic_prompts(num_requests, seed, words, args.output_tokens, sigma=0.0,
+                                        max_input_len=words, max_output_len=args.output_tokens)
+    report = serving.run(url, [point["rate"]], prompts, model, seed=seed, progress=False,
+                         max_concurrency=point["max_concurrency"])
+    result = report["results"][0]
+    return {"output_tok_s": result["output_throughput"], "completed": result["completed"],
+            "failed": result["failed"], "ttft_p50_ms": result["ttft_ms"].get("median") if result["ttft_ms"] else None,
+            "itl_p50_ms": result["itl_ms"].get("median") if result["itl_ms"] else None,
+            "mean_prompt_tokens": result["mean_prompt_tokens"]}
+
+
+def format_rows(rows: list[dict]) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x:.0f}"
+
+    lines = [f"{'run':<11}{'point':<18}{'conc':>5} | {'out tok/s GuideLLM':>18}{'bench serving':>14}{'ratio':>7} | "
+             f"{'errored':>7} | {'TTFT p50 ms G/b':>16} | {'ITL p50 ms G/b':>15} | {'prompt tok G/b':>15}"]
+    for row in rows:
+        g, b = row["guidellm"], row["serving"]
+        ratio = g["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else math.nan
+        lines.append(f"{row['run']:<11}{row['point']:<18}{row['max_concurrency']:>5} | {g['output_tok_s']:>18.1f}"
+                     f"{b['output_tok_s']:>14.1f}{ratio:>7.2f} | {g['errored']:>7} | "
+                     f"{ms(g['ttft_p50_ms']) + ' / ' + ms(b['ttft_p50_ms']):>16} | "
+                     f"{ms(g['itl_p50_ms']) + ' / ' + ms(b['itl_p50_ms']):>15} | "
+                     f"{g['mean_prompt_tokens']:>7.1f} / {b['mean_prompt_tokens']:<5.1f}")
+    return "\n".join(lines)
+
+
+def main(args) -> dict:
+    import httpx
+
+    from llmlab.machine import machine_info
+    from llmlab.model.loader import resolve_model
+
+    if args.sweep_size and args.sweep_size < 2:
+        raise ValueError(f"--sweep-size must be 0 (no sweep) or at least 2, got {args.sweep_size}")
+    tokenizer = args.tokenizer or str(resolve_model(None))
+    rows = []
+    with served(args.base_url, args.serve_args) as url:
+        model = args.model or httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+        runs = [("throughput", f"kind=throughput,max_concurrency={args.max_concurrency}", args.num_requests)]
+        if args.sweep_size:
+            runs.append(("sweep", f"kind=sweep,sweep_size={args.sweep_size},strategy_type=poisson,"
+                                  f"max_concurrency={args.max_concurrency}",
+                         args.sweep_requests))
+        for run, profile, num_requests in runs:
+            for benchmark in guidellm(args, url, model, tokenizer, profile, num_requests):
+                rows.append({"run": run, **guidellm_point(benchmark, args.max_concurrency)})
+                rows[-1]["serving"] = serving_point(args, url, model, rows[-1], num_requests, args.seed + len(rows))
+    print(format_rows(rows))
+    report = {"model": model, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+              "max_concurrency": args.max_concurrency, "serve_args": args.serve_args, "rows": rows,
+              "machine": machine_info()}
+    write_json(args.out, report)
+    return report
