@@ -83,6 +83,15 @@ def test_ties_at_the_kth_value_are_kept(monkeypatch):
 
 
 @pytest.mark.slow      # Triton's interpreter on a CPU
+def test_hundreds_of_candidates_at_the_default_cap():
+    """k in the hundreds (the default cap, 1024): more candidates than the small scan holds,
+    so the row takes the full candidate buffer's scan."""
+    sample, _, _ = sampler_modules()
+    assert kernels.knobs.sample_top_k_cap == 1024
+    check(top_k_batch([300, 700, 1024, 1025, 257], 3000, seed=8), sample)
+
+
+@pytest.mark.slow      # Triton's interpreter on a CPU
 def test_the_candidates_path_settles_the_rows_on_its_own(monkeypatch):
     """With the radix passes broken, rows with k up to the cap still get the reference's token:
     the candidates path does the work, the radix passes are only its fallback."""

@@ -35,7 +35,7 @@ from ..reference import GUMBEL_SPAN
 from .sample_radix import (_gumbel, _key, _level_kernel, _race_kernel, _row_key, _row_stats,
                                   _top_k_mass_kernel)
 from .sample_top_k import (SMALL_CANDIDATES, _collect_kernel, _finish_kernel, _on_candidates,
-                           _store_group_maxima, _threshold_kernel, candidates_layout)
+                           _store_lane_maxima, _threshold_kernel, candidates_layout)
 
 # Tunable for measurements (llmlab bench sampler): knobs.sample_block, sample_warps,
 # sample_programs (chunks per row = this / rows) and sample_rounds (rejection checks before
@@ -76,11 +76,10 @@ def _race_above(logits_ptr, t, key, start_at, stop_at, floor_key, V,
 
 @triton.jit(do_not_specialize=["V", "CH", "P", "S", "cap"])
 def _first_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best_ptr, token_ptr,
-                  tops_ptr, V, CH, P, S, cap, TOPS: tl.constexpr, GROUPS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  lanes_ptr, V, CH, P, S, cap, BLOCK: tl.constexpr):
     """Chunk c's softmax partials (max, sum of exp) and, for rows without top-k, the race
     over all its tokens (the first candidate); for rows with a top-k up to the cap, its
-    lanes' maxima in GROUPS groups (sample_top_k.py)."""
+    lanes' maxima (sample_top_k.py)."""
     row, c = tl.program_id(0), tl.program_id(1)
     t = tl.load(floats_ptr + row * 4)
     if t > 0:
@@ -104,7 +103,7 @@ def _first_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best_
                 best_token = tl.where(better, offs, best_token)
                 best = tl.where(better, score, best)
         if _on_candidates(t, tl.load(floats_ptr + row * 4 + 3), V, cap):
-            _store_group_maxima(m_lane, tops_ptr, row, c, TOPS, GROUPS, BLOCK)
+            _store_lane_maxima(m_lane, lanes_ptr, row, c, P, BLOCK)
         m = tl.max(m_lane, axis=0)
         z = tl.sum(tl.where(m_lane == float("-inf"), 0.0, z_lane * tl.exp(m_lane - m)), axis=0)
         tl.store(stats_ptr + (row * P + c) * 2, m)
@@ -206,11 +205,11 @@ def layout(S, V, dtype):
 
 def scratch_shapes(S, P, levels, rounds):
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
-    _, TOPS, CAND = candidates_layout(P, knobs.sample_block, knobs.sample_top_k_cap)
+    _, CAND = candidates_layout(knobs.sample_top_k_cap)
     return [((S, P, 2), f32), ((rounds + 1, S, P), f32), ((rounds + 1, S, P), i32), ((S, P), f32), ((3, S), i64),
             ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32), ((S, P), f32),
             ((S, P), f32), ((S, P), i32),
-            ((S, TOPS), f32), ((S,), f32), ((S,), i32), ((S, CAND), f32), ((S, CAND), i32)]
+            ((S, P, knobs.sample_block), f32), ((S,), f32), ((S,), i32), ((S, CAND), f32), ((S, CAND), i32)]
 
 
 def launch(logits, floats, ints, flags, scratch):
@@ -220,7 +219,7 @@ def launch(logits, floats, ints, flags, scratch):
     P, CH, levels = layout(S, V, logits.dtype)
     rounds = max(knobs.sample_rounds, 1) if rounds_needed else 1   # temperature alone: one check accepts
     (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, zk, best,
-     best_token, tops, tau, count, top_k_x, top_k_token) = scratch
+     best_token, lanes, tau, count, top_k_x, top_k_token) = scratch
     tokens = logits.argmax(dim=-1) if any_greedy else None     # an argmax reads the whole batch too
     done_final.zero_()
     done, final, floor = done_final[0], done_final[1], done_final[2]
@@ -230,12 +229,11 @@ def launch(logits, floats, ints, flags, scratch):
     common = (logits, logits.stride(0), floats)
     radix = dict(KEY_BITS=levels * 4, P_BLOCK=MAX_CHUNKS, **meta)
     cap = knobs.sample_top_k_cap if with_top_k else 0      # 0: no row takes the candidates path
-    GROUPS, TOPS, CAND = candidates_layout(P, knobs.sample_block, knobs.sample_top_k_cap)
-    _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], tops, V, CH, P, S, cap,
-                        TOPS=TOPS, GROUPS=GROUPS, **meta)
+    TOPS, CAND = candidates_layout(knobs.sample_top_k_cap)
+    _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], lanes, V, CH, P, S, cap, **meta)
     if cap > 0:     # top-k rows up to the cap: a threshold, one pass gathering candidates, the draw
-        _threshold_kernel[(S,)](floats, tops, tau, count, V, P, cap, TOPS=TOPS, GROUPS=GROUPS, CAND=CAND,
-                                num_warps=knobs.sample_warps)
+        _threshold_kernel[(S,)](floats, lanes, tau, count, V, P, cap, TOPS=TOPS, CAND=CAND,
+                                BLOCK=knobs.sample_block, num_warps=knobs.sample_warps)
         _collect_kernel[grid](*common, tau, count, top_k_x, top_k_token, V, CH, P, cap, CAND=CAND, **meta)
         _finish_kernel[(S,)](floats, ints, count, top_k_x, top_k_token, done, final, V, S, cap, CAND=CAND,
                              SMALL=min(SMALL_CANDIDATES, CAND), num_warps=knobs.sample_warps)

@@ -3,21 +3,23 @@ top-p, min-p and the seeded race found among a few candidates per row instead of
 radix passes over the whole vocabulary (kernels_explained/sampling.md, "Top-k from candidates").
 
 1. The first pass (`_first_kernel`, which reads every token for the softmax partials
-   anyway) keeps each of its BLOCK lanes' maximum of x = logit / T; each chunk stores its
-   largest `per_chunk` lane maxima (`_store_lane_tops`).
-2. `_threshold_kernel` (a program a row): tau = the k-th largest of the row's stored lane
-   maxima. They are k values *of the row*, so tau <= the row's k-th largest x, and every
-   token of the top-k set has x >= tau. On logits in no particular order, about k + a few
-   tokens are >= tau.
+   anyway) stores each of its BLOCK lanes' maximum of x = logit / T (`_store_lane_maxima`).
+2. `_threshold_kernel` (a program a row) folds the row's lane maxima into TOPS slots (a
+   slot: the max of the lanes that land on it) and takes tau = the k-th largest slot. The
+   slots hold the x of TOPS different tokens of the row, so tau <= the row's k-th largest
+   x, and every token of the top-k set has x >= tau. On logits in no particular order only
+   about k tokens are >= tau (TOPS * -ln(1 - k / TOPS): 51 for k = 50, 1,420 for k = 1024).
 3. `_collect_kernel` (the second and last pass over the vocabulary): the tokens with
-   x >= tau, appended to the row's candidate buffer (an atomic counter per row).
-4. `_finish_kernel` (a program a row): sorts the candidates' x, which holds the top-k set
-   whole, so the k-th value, the top-p cut renormalized over the top-k set and the min-p cut
-   are those of `reference.filter_logits`, ties included; then the Gumbel race over the kept
-   candidates, with the reference's noise, the lowest token winning a tie of scores.
+   x >= tau, appended to the row's candidate buffer (an atomic counter per row; a block
+   with none does no atomic and no scan).
+4. `_finish_kernel` (a program a row): the candidates hold the top-k set whole, so the k-th
+   value, the top-p cut renormalized over the top-k set and the min-p cut found among them
+   (each on the values' order keys, bit by bit, as the radix passes find theirs) are those
+   of `reference.filter_logits`, ties included; then the Gumbel race over the kept
+   candidates with the reference's noise, the lowest token winning a tie of scores.
 
 A row whose k is past the cap (`knobs.sample_top_k_cap`) or whose candidates overflow their
-buffer (a long tie at the k-th value, a row sorted by value) is left open, and the radix
+buffer (a long tie at the k-th value, logits sorted by value) is left open, and the radix
 passes finish it: every row ends with the reference's token.
 """
 from __future__ import annotations
@@ -27,17 +29,15 @@ import triton.language as tl
 
 from .sample_radix import _gumbel, _key, _row_key
 
-LANE_TOPS = 4096        # group maxima a row keeps (its chunks share them)
+LANE_TOPS = 2048        # slots a row folds its lane maxima into (k up to half of it stays tight)
 SMALL_CANDIDATES = 256  # a row with at most this many candidates scans this many (the usual k)
 
 
-def candidates_layout(P: int, block: int, cap: int):
-    """(GROUPS: group maxima each of the P chunks keeps, a power of two; TOPS: a row's slots
-    for them; CAND: a row's candidate slots), both powers of two."""
-    cap = max(cap, 1)
-    width = max(LANE_TOPS, triton.next_power_of_2(cap))
-    groups = min(block, 1 << ((width // P).bit_length() - 1))
-    return groups, triton.next_power_of_2(P * groups), triton.next_power_of_2(2 * cap)
+def candidates_layout(cap: int):
+    """(TOPS: a row's slots of folded lane maxima, CAND: a row's candidate slots), powers of
+    two that depend on the cap alone (no kernel variant per batch size)."""
+    cand = 2 * triton.next_power_of_2(max(cap, 1))
+    return max(LANE_TOPS, cand), cand
 
 
 @triton.jit
@@ -47,12 +47,9 @@ def _on_candidates(t, top_k, V, cap):
 
 
 @triton.jit
-def _store_group_maxima(m_lane, tops_ptr, row, c, TOPS: tl.constexpr, GROUPS: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # m_lane: [BLOCK] each lane's max of x over chunk c; the max of each of GROUPS groups of
-    # lanes is still the x of one token of the row
-    groups = tl.max(tl.reshape(m_lane, [GROUPS, BLOCK // GROUPS]), axis=1)
-    tl.store(tops_ptr + row * TOPS + c * GROUPS + tl.arange(0, GROUPS), groups)
+def _store_lane_maxima(m_lane, lanes_ptr, row, c, P, BLOCK: tl.constexpr):
+    # m_lane: [BLOCK] each lane's max of x over chunk c, each the x of one token of the row
+    tl.store(lanes_ptr + (row * P + c) * BLOCK + tl.arange(0, BLOCK), m_lane)
 
 
 @triton.jit
@@ -69,23 +66,28 @@ def _largest_key_reaching(key, weight, target):
 
 
 @triton.jit(do_not_specialize=["V", "P", "cap"])
-def _threshold_kernel(floats_ptr, tops_ptr, tau_ptr, count_ptr, V, P, cap,
-                      TOPS: tl.constexpr, GROUPS: tl.constexpr, CAND: tl.constexpr):
-    """tau: the k-th largest of the row's group maxima (a lower bound on its k-th largest x);
-    the row's candidate count starts at 0, or past CAND when tau cannot work."""
+def _threshold_kernel(floats_ptr, lanes_ptr, tau_ptr, count_ptr, V, P, cap, TOPS: tl.constexpr,
+                      CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """tau: the k-th largest of the row's lane maxima folded into TOPS slots (each slot the
+    max of a few lanes: still the x of one token, a different token per slot), a lower bound
+    on the row's k-th largest x; the row's candidate count starts at 0, or past CAND when
+    tau cannot work."""
     row = tl.program_id(0)
     t = tl.load(floats_ptr + row * 4)
     top_k = tl.load(floats_ptr + row * 4 + 3)
     if _on_candidates(t, top_k, V, cap):
         i = tl.arange(0, TOPS)
-        n = P * GROUPS
-        tops = tl.load(tops_ptr + row * TOPS + i, mask=i < n, other=float("-inf"))
-        valid = (i < n) & (tops > float("-inf"))
+        tops = tl.full([TOPS], float("-inf"), tl.float32)
+        for start in range(0, P * BLOCK, TOPS):
+            lane = start + i
+            tops = tl.maximum(tops, tl.load(lanes_ptr + row * P * BLOCK + lane, mask=lane < P * BLOCK,
+                                            other=float("-inf")))
+        valid = tops > float("-inf")
         key = _key(tops, 32)
         kth = _largest_key_reaching(key, tl.where(valid, 1.0, 0.0), top_k)
         tau = tl.max(tl.where(valid & (key == kth), tops, float("-inf")), axis=0)
         tl.store(tau_ptr + row, tau)
-        # fewer finite group maxima than k: every token would be a candidate
+        # fewer finite slots than k: every token would be a candidate
         few = tl.sum(valid.to(tl.int32), axis=0) < top_k
         tl.store(count_ptr + row, tl.where(few, CAND + 1, 0))
 
@@ -118,7 +120,6 @@ def _settle(floats_ptr, ints_ptr, cand_x_ptr, cand_token_ptr, done_ptr, final_pt
             CAND: tl.constexpr, N: tl.constexpr):
     # reference.filter_logits and the race, over the row's n <= N candidates; each cut is
     # found on the values' 32-bit order keys, bit by bit, as the radix passes do (no sort)
-    t = tl.load(floats_ptr + row * 4)
     top_p = tl.load(floats_ptr + row * 4 + 1)
     min_p = tl.load(floats_ptr + row * 4 + 2)
     top_k = tl.load(floats_ptr + row * 4 + 3)
@@ -150,7 +151,8 @@ def _settle(floats_ptr, ints_ptr, cand_x_ptr, cand_token_ptr, done_ptr, final_pt
 @triton.jit(do_not_specialize=["V", "S", "cap"])
 def _finish_kernel(floats_ptr, ints_ptr, count_ptr, cand_x_ptr, cand_token_ptr, done_ptr, final_ptr,
                    V, S, cap, CAND: tl.constexpr, SMALL: tl.constexpr):
-    """The row's token from its candidates (a small sort for the usual k), unless they overflowed."""
+    """The row's token from its candidates (a scan of SMALL slots for the usual k, of CAND for
+    more), unless they overflowed."""
     row = tl.program_id(0)
     t = tl.load(floats_ptr + row * 4)
     top_k = tl.load(floats_ptr + row * 4 + 3)
