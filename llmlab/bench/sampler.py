@@ -1,6 +1,7 @@
 """sampler: the time of one batched sampling call (`llmlab.sampling.Sampler`) on a
 [batch, vocab] block of logits, for the usual settings, next to greedy (the argmax) and to
-the sort that a sort-based top-p would need."""
+the sort that a sort-based top-p would need; the top-k settings also with the Triton
+sampler's candidates path off (`knobs.sample_top_k_cap = 0`: the radix passes), for its peer."""
 from __future__ import annotations
 
 from llmlab.bench.common import median_ms, write_json
@@ -13,6 +14,8 @@ SETTINGS = {
     "temperature 0.7, top_p 0.9, seed 1": dict(temperature=0.7, top_p=0.9, seed=1),
     "temperature 0.7, top_k 50": dict(temperature=0.7, top_k=50),
     "temperature 1.0, top_k 50, top_p 0.95": dict(temperature=1.0, top_k=50, top_p=0.95),
+    "temperature 0.8, top_p 0.95, top_k 50": dict(temperature=0.8, top_p=0.95, top_k=50),
+    "temperature 0.7, top_k 1024": dict(temperature=0.7, top_k=1024),
     "temperature 0.7, min_p 0.05": dict(temperature=0.7, min_p=0.05),
 }
 
@@ -34,6 +37,7 @@ def main(args) -> list[dict]:
     import torch
 
     from llmlab import SamplingParams
+    from llmlab.kernels import knobs
     from llmlab.model.llama import LOGITS_DTYPE
     from llmlab.sampling import Sampler
 
@@ -57,6 +61,16 @@ def main(args) -> list[dict]:
         for name, setting in SETTINGS.items():
             params = [SamplingParams(**setting)] * batch
             row[name] = microseconds(lambda: sampler(logits, params, seeds, positions).tolist())
+        cap = knobs.sample_top_k_cap
+        knobs.sample_top_k_cap = 0          # the same top-k settings through the radix passes
+        try:
+            for name, setting in SETTINGS.items():
+                if setting.get("top_k", -1) > 0:
+                    params = [SamplingParams(**setting)] * batch
+                    row[f"{name} (radix passes)"] = microseconds(
+                        lambda: sampler(logits, params, seeds, positions).tolist())
+        finally:
+            knobs.sample_top_k_cap = cap
         row["torch.sort (for reference)"] = microseconds(lambda: logits.float().sort(dim=-1, descending=True))
         rows.append(row)
     names = list(rows[0])[1:]

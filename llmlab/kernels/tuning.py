@@ -22,6 +22,7 @@ may set a field directly:
 | sample_warps    | LLMLAB_SAMPLE_WARPS  | 8       | warps per program of the sampler's passes |
 | sample_programs | LLMLAB_SAMPLE_PROGRAMS | 512   | programs per batch the sampler aims for (chunks per row = this / rows) |
 | sample_rounds   | LLMLAB_SAMPLE_ROUNDS | 3       | rejection checks before the sampler's radix fallback |
+| sample_top_k_cap | LLMLAB_SAMPLE_TOP_K_CAP | 1024 | largest top_k the sampler's candidates path takes (0: every top-k row to the radix passes) |
 
 Knobs that the engine decides per run (CUDA graphs, async scheduling, the KV cache's
 dtype, ...) are `EngineConfig` fields instead.
@@ -37,7 +38,7 @@ ENVIRONMENT = {   # field -> the variable that sets it
     "prefetch_kb": "LLMLAB_PREFETCH", "q8_decode": "LLMLAB_Q8_DECODE", "cpu_one_row": "LLMLAB_CPU_ONE_ROW",
     "sample_graphs": "LLMLAB_SAMPLE_GRAPHS", "sample_block": "LLMLAB_SAMPLE_BLOCK",
     "sample_warps": "LLMLAB_SAMPLE_WARPS", "sample_programs": "LLMLAB_SAMPLE_PROGRAMS",
-    "sample_rounds": "LLMLAB_SAMPLE_ROUNDS",
+    "sample_rounds": "LLMLAB_SAMPLE_ROUNDS", "sample_top_k_cap": "LLMLAB_SAMPLE_TOP_K_CAP",
 }
 
 
@@ -54,6 +55,7 @@ class Knobs:
     sample_warps: int = 8
     sample_programs: int = 512
     sample_rounds: int = 3
+    sample_top_k_cap: int = 1024
 
     @classmethod
     def from_environment(cls, environ=os.environ) -> "Knobs":

@@ -83,7 +83,7 @@ def graphed_sample(logits, flags, temperature, top_k, top_p, min_p, seeds, posit
     S, V = logits.shape
     rows = bucket(S)
     flags = (True, True, True, flags[3])       # every pass; an argmax only if a row is greedy
-    key = (logits.device, logits.dtype, V, rows, flags)
+    key = (logits.device, logits.dtype, V, rows, flags, knobs.sample_top_k_cap)   # the cap sizes the scratch
     _static_logits(logits.device, logits.dtype, V, rows)          # may drop stale graphs first
     entry = _graphs.get(key)
     if entry is None:

@@ -17,8 +17,11 @@ Rows without top-k (the usual chat settings) are drawn by rejection rounds:
    accepted one is the race's winner over the kept set: exactly `reference.sample`'s token.
    A row is accepted at the first check with probability of about the kept mass (0.9 for
    top_p 0.9), so two or three passes settle nearly every row.
-Rows with top-k, and rows that the rounds leave unsettled, take the radix-select passes of
-`sample_radix.py` (cuts found on the logits' bits). Same tokens as `reference.sample`
+Rows with top-k up to `knobs.sample_top_k_cap` take the candidates path of `sample_top_k.py`:
+a threshold from the first pass's lane maxima, one more pass that gathers the few tokens
+above it, and the cuts and the race over those alone. Rows with a larger k, rows whose
+candidates overflow, and rows that the rounds leave unsettled take the radix-select passes
+of `sample_radix.py` (cuts found on the logits' bits). Same tokens as `reference.sample`
 up to float rounding in the sums.
 """
 from __future__ import annotations
@@ -31,6 +34,8 @@ from ..tuning import knobs
 from ..reference import GUMBEL_SPAN
 from .sample_radix import (_gumbel, _key, _level_kernel, _race_kernel, _row_key, _row_stats,
                                   _top_k_mass_kernel)
+from .sample_top_k import (SMALL_CANDIDATES, _collect_kernel, _finish_kernel, _on_candidates,
+                           _store_lane_maxima, _threshold_kernel, candidates_layout)
 
 # Tunable for measurements (llmlab bench sampler): knobs.sample_block, sample_warps,
 # sample_programs (chunks per row = this / rows) and sample_rounds (rejection checks before
@@ -69,11 +74,12 @@ def _race_above(logits_ptr, t, key, start_at, stop_at, floor_key, V,
     return top, tl.min(tl.where(best == top, best_token, V), axis=0)
 
 
-@triton.jit(do_not_specialize=["V", "CH", "P", "S"])
+@triton.jit(do_not_specialize=["V", "CH", "P", "S", "cap"])
 def _first_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best_ptr, token_ptr,
-                  V, CH, P, S, BLOCK: tl.constexpr):
+                  lanes_ptr, V, CH, P, S, cap, BLOCK: tl.constexpr):
     """Chunk c's softmax partials (max, sum of exp) and, for rows without top-k, the race
-    over all its tokens (the first candidate)."""
+    over all its tokens (the first candidate); for rows with a top-k up to the cap, its
+    lanes' maxima (sample_top_k.py)."""
     row, c = tl.program_id(0), tl.program_id(1)
     t = tl.load(floats_ptr + row * 4)
     if t > 0:
@@ -96,6 +102,8 @@ def _first_kernel(logits_ptr, stride_row, floats_ptr, ints_ptr, stats_ptr, best_
                 better = score > best
                 best_token = tl.where(better, offs, best_token)
                 best = tl.where(better, score, best)
+        if _on_candidates(t, tl.load(floats_ptr + row * 4 + 3), V, cap):
+            _store_lane_maxima(m_lane, lanes_ptr, row, c, P, BLOCK)
         m = tl.max(m_lane, axis=0)
         z = tl.sum(tl.where(m_lane == float("-inf"), 0.0, z_lane * tl.exp(m_lane - m)), axis=0)
         tl.store(stats_ptr + (row * P + c) * 2, m)
@@ -197,9 +205,11 @@ def layout(S, V, dtype):
 
 def scratch_shapes(S, P, levels, rounds):
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    _, CAND = candidates_layout(knobs.sample_top_k_cap)
     return [((S, P, 2), f32), ((rounds + 1, S, P), f32), ((rounds + 1, S, P), i32), ((S, P), f32), ((3, S), i64),
             ((levels, S, P, 16), f32), ((levels, S), i64), ((levels, S), f32), ((S, P), f32),
-            ((S, P), f32), ((S, P), i32)]
+            ((S, P), f32), ((S, P), i32),
+            ((S, P, knobs.sample_block), f32), ((S,), f32), ((S,), i32), ((S, CAND), f32), ((S, CAND), i32)]
 
 
 def launch(logits, floats, ints, flags, scratch):
@@ -209,7 +219,7 @@ def launch(logits, floats, ints, flags, scratch):
     P, CH, levels = layout(S, V, logits.dtype)
     rounds = max(knobs.sample_rounds, 1) if rounds_needed else 1   # temperature alone: one check accepts
     (stats, cand_best, cand_token, mass, done_final, hist, state_prefix, state_above, zk, best,
-     best_token) = scratch
+     best_token, lanes, tau, count, top_k_x, top_k_token) = scratch
     tokens = logits.argmax(dim=-1) if any_greedy else None     # an argmax reads the whole batch too
     done_final.zero_()
     done, final, floor = done_final[0], done_final[1], done_final[2]
@@ -218,7 +228,15 @@ def launch(logits, floats, ints, flags, scratch):
     meta = dict(BLOCK=knobs.sample_block, num_warps=knobs.sample_warps)
     common = (logits, logits.stride(0), floats)
     radix = dict(KEY_BITS=levels * 4, P_BLOCK=MAX_CHUNKS, **meta)
-    _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], V, CH, P, S, **meta)
+    cap = knobs.sample_top_k_cap if with_top_k else 0      # 0: no row takes the candidates path
+    TOPS, CAND = candidates_layout(knobs.sample_top_k_cap)
+    _first_kernel[grid](*common, ints, stats, cand_best[0], cand_token[0], lanes, V, CH, P, S, cap, **meta)
+    if cap > 0:     # top-k rows up to the cap: a threshold, one pass gathering candidates, the draw
+        _threshold_kernel[(S,)](floats, lanes, tau, count, V, P, cap, TOPS=TOPS, CAND=CAND,
+                                BLOCK=knobs.sample_block, num_warps=knobs.sample_warps)
+        _collect_kernel[grid](*common, tau, count, top_k_x, top_k_token, V, CH, P, cap, CAND=CAND, **meta)
+        _finish_kernel[(S,)](floats, ints, count, top_k_x, top_k_token, done, final, V, S, cap, CAND=CAND,
+                             SMALL=min(SMALL_CANDIDATES, CAND), num_warps=knobs.sample_warps)
     for r in range(rounds if knobs.sample_rounds > 0 else 0):
         if any_top_p:
             _mass_above_kernel[grid](*common, stats, cand_best[r], cand_token[r], done, mass, V, CH, P, S, **radix)
@@ -236,7 +254,7 @@ def launch(logits, floats, ints, flags, scratch):
                                 floor, zk, done, V, CH, P, S, level, USE_MASS=use_mass, **radix)
         if not use_mass:
             _top_k_mass_kernel[grid](*common, stats, hist[levels - 1], state_prefix, state_above, floor, zk,
-                                     V, CH, P, S, **radix)
+                                     done, V, CH, P, S, **radix)
     _race_kernel[grid](*common, ints, stats, hist[levels - 1], state_prefix, state_above, floor, zk, done,
                        best, best_token, V, CH, P, S, GUMBEL_SPAN=GUMBEL_SPAN, **radix)
     winner = best.argmax(dim=1, keepdim=True)                 # the first chunk on a tie

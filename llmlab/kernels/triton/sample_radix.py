@@ -154,14 +154,14 @@ def _cut_key(hist_ptr, state_prefix_ptr, state_above_ptr, row, P, S, target,
 
 @triton.jit(do_not_specialize=["V", "CH", "P", "S"])
 def _top_k_mass_kernel(logits_ptr, stride_row, floats_ptr, stats_ptr, hist_ptr, state_prefix_ptr,
-                       state_above_ptr, floor_ptr, zk_ptr, V, CH, P, S, KEY_BITS: tl.constexpr,
+                       state_above_ptr, floor_ptr, zk_ptr, done_ptr, V, CH, P, S, KEY_BITS: tl.constexpr,
                        BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
     """After the top-k passes: the top-k cut (kept in floor_ptr) and each chunk's share of
     the top-k set's probability mass (top-p renormalizes over it)."""
     row, c = tl.program_id(0), tl.program_id(1)
     t = tl.load(floats_ptr + row * 4)
     top_k = tl.load(floats_ptr + row * 4 + 3)
-    if (t > 0) & (top_k > 0) & (top_k < V):
+    if (t > 0) & (top_k > 0) & (top_k < V) & (tl.load(done_ptr + row) == 0):   # done: the candidates path
         m, z = _row_stats(stats_ptr, row, P, P_BLOCK)
         floor_key = _cut_key(hist_ptr, state_prefix_ptr, state_above_ptr, row, P, S, top_k,
                              KEY_BITS, P_BLOCK)
