@@ -7,6 +7,8 @@ At start-up, in this order:
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for), and
               max_model_len within the model's context and the cache (max_model_len_for)
+  sizes       max_num_seqs and max_num_batched_tokens left None, for this device and cache
+              (sizing.py); `self.config` is the config with them set
 Then the engine's warm-up (warm_up.py: everything compiled or captured at start-up) makes
 the decode CUDA graphs (`make_decode_graphs`) and runs throwaway batches through `execute`.
 Then every step: `swap` (block copies of the plan), `prepare_step` (batch.py: the flat
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
+from llmlab import sizing
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import batch as batches
 from llmlab.engine.host_memory import keep_freed_memory
@@ -126,6 +129,8 @@ class ModelRunner:
         self.num_device_blocks, self.num_host_blocks = num_blocks_for(
             config, self.model_config, self.dtype, self.device, weights_bytes, self.profile_activation_bytes())
         self.kv_cache_tokens = self.num_device_blocks * self.block_size   # reported beside max_model_len
+        # the sizes left None, for this device and cache: from here on self.config has them
+        self.config, self.sizes = sizing.resolve(config, self.num_device_blocks)
         try:
             self.max_model_len = max_model_len_for(config, self.model_config, self.kv_cache_tokens)
         except ValueError:
@@ -152,7 +157,7 @@ class ModelRunner:
         """Peak extra memory of a worst-case forward (full token budget), measured on CUDA."""
         if self.device.type != "cuda" or self.config.num_gpu_blocks is not None:
             return 0
-        tokens = self.config.max_num_batched_tokens
+        tokens = sizing.token_budget(self.config)   # what the step budget will be
         plan = batches.dummy_plan(self.block_size, prefills=[(tokens, tokens)])
         probe = KVCache(self.model_config, batches.num_blocks_of(plan, self.block_size), 0,
                         self.block_size, self.dtype, self.device)
