@@ -14,7 +14,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 @dataclass
 class EngineConfig:
-    model: str | None = None            # HF folder, .gguf file, or None = embedded SmolLM2
+    model: str | None = None            # HF folder, .gguf file, None = embedded SmolLM2, or random-llama3-8b / random-llama3-tiny (random weights: model/random_weights.py)
+    tokenizer: str | None = None        # None = the model's own; a HF folder, a .gguf, or "embedded" (the embedded SmolLM2's): for random weights, or to override
     dtype: str = "auto"                 # "auto" = bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"        # "auto" = dtype; "int8" | "fp8_e4m3" (CUDA, compute capability >= 8.9)
     device: str = "auto"                # "auto" = cuda if available else cpu
@@ -56,6 +57,9 @@ class EngineConfig:
             ("model", lambda: self.model is None or (isinstance(self.model, str) and self.model != "")
              or hasattr(self.model, "__fspath__"),
              "None (the embedded SmolLM2-135M-Instruct) or the path of a HF model folder or a .gguf file"),
+            ("tokenizer", lambda: self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer != "")
+             or hasattr(self.tokenizer, "__fspath__"),
+             'None (the model\'s own), "embedded", or the path of a HF folder or a .gguf file'),
             ("device", lambda: isinstance(self.device, str) and (
                 self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None),
              "auto, cpu or cuda[:N]"),

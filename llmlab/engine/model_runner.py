@@ -35,15 +35,28 @@ from llmlab.plan import Plan
 
 
 def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):
-    """(model, its folder) from `config.model`: a HF folder, a .gguf file or the embedded
-    model. With tensor parallelism the whole model waits on the CPU, to be cut into shards."""
-    from llmlab.model.loader import iter_weights, load_config, resolve_model
+    """(model, tokenizer) from `config.model`: a HF folder, a .gguf file, the embedded model,
+    or random weights by name (model/random_weights.py); the tokenizer is config.tokenizer's
+    when set, else the one beside the weights. With tensor parallelism the whole model waits
+    on the CPU, to be cut into shards."""
+    from llmlab.model.loader import iter_weights, load_config, resolve_model, resolve_tokenizer
+    from llmlab.model.random_weights import check_random_device, is_random_model, random_model, random_shape
 
+    if is_random_model(config.model):
+        check_random_device(config.model, device)   # 8B on a CPU: refused before anything loads
+    tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
+    if is_random_model(config.model):
+        check_context(config, ModelConfig.from_hf(random_shape(config.model, tokenizer)))
+        return random_model(config.model, dtype, load_device, tokenizer), tokenizer
     folder = resolve_model(config.model)
     model_config = load_config(folder)
     check_context(config, model_config)   # before the weights: a bad value fails in a second, not after the load
-    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
-    return LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device), folder
+    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"EngineConfig.tokenizer {str(config.tokenizer)!r} has {tokenizer.vocab_size} tokens, more "
+                         f"than the model's vocabulary of {model_config.vocab_size}: its ids would miss the embedding")
+    model = LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device)
+    return model, tokenizer if tokenizer is not None else folder_tokenizer(folder)
 
 
 def check_context(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -104,8 +117,8 @@ class ModelRunner:
         self.backend = config.resolved_backend()
         self.block_size = config.block_size
         if model is None:
-            model, folder = load(config, self.device, self.dtype)
-            tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(folder)
+            model, found = load(config, self.device, self.dtype)
+            tokenizer = tokenizer if tokenizer is not None else found
         self.tokenizer = tokenizer
         # tensor parallelism (llmlab.engine.parallel.executor): this process is rank 0 and keeps one
         # shard; its forward also runs the shards of tensor_parallel_size - 1 workers
