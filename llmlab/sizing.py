@@ -37,14 +37,14 @@ class GpuSizes:
     server_tokens: int       # ... for `llmlab serve` (latency: a smaller step keeps ITL down)
 
 
-# The table to retune after measuring (BENCHMARKS.md, "Server"): the first row whose memory
+# The table to retune after measuring (BENCHMARKS.md, "Online serving"): the first row whose memory
 # the device has wins. vLLM V1's values (EngineArgs._set_default_args): 70 GiB and up is
 # its "A100 / H100 class", 1024 sequences and 16384 (offline) / 8192 (server) tokens; a
 # smaller GPU 256 and 8192 / 2048.
 GPU_SIZES = [GpuSizes(min_memory_gib=70, max_num_seqs=1024, offline_tokens=16384, server_tokens=8192),
              GpuSizes(min_memory_gib=0, max_num_seqs=256, offline_tokens=8192, server_tokens=2048)]
 # A CPU: 64 sequences, and a 512-token step (~1 ms per token for the 135M model on a
-# laptop: a CPU step near a second while a long prompt is prefilled; BENCHMARKS.md, "Server").
+# laptop: a CPU step near a second while a long prompt is prefilled; BENCHMARKS.md, "Online serving").
 CPU_MAX_NUM_SEQS = 64
 CPU_TOKEN_BUDGET = 512
 # The largest decode batch captured as a CUDA graph (vLLM: 512). Past it a decode step runs
