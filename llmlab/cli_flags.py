@@ -42,6 +42,8 @@ def int_span(text, flag: str) -> tuple[int, int]:
 # (--max-num-seqs, --enable-prefix-caching / --no-enable-prefix-caching); a new field
 # becomes a flag with no edit here. Its help is the comment beside the field.
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"], "pipeline_parallel_size": ["-pp", "--pp"]}
+# fields a command sets itself, never a flag: `llmlab serve` asks for the server's defaults
+NOT_FLAGS = ("usage_context",)
 
 
 def _field_comments() -> dict[str, str]:
@@ -71,7 +73,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: dict | None 
     types = typing.get_type_hints(EngineConfig)
     comments = _field_comments()
     group = parser.add_argument_group("engine (EngineConfig fields)")
-    fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
+    fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in exclude + NOT_FLAGS]
     parser.set_defaults(engine_flags=tuple(f.name for f in fields))   # what engine_kwargs reads
     for f in fields:
         default = defaults.get(f.name, f.default)

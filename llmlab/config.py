@@ -14,7 +14,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 @dataclass
 class EngineConfig:
-    model: str | None = None            # HF folder, .gguf file, or None = embedded SmolLM2
+    model: str | None = None            # HF folder, .gguf file, None = embedded SmolLM2, or random-llama3-8b / random-llama3-tiny (random weights: model/random_weights.py)
+    tokenizer: str | None = None        # None = the model's own; a HF folder, a .gguf, or "embedded" (the embedded SmolLM2's): for random weights, or to override
     dtype: str = "auto"                 # "auto" = bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"        # "auto" = dtype; "int8" | "fp8_e4m3" (CUDA, compute capability >= 8.9)
     device: str = "auto"                # "auto" = cuda if available else cpu
@@ -24,8 +25,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9 # share of GPU memory for weights, activations and KV cache
     cpu_kv_cache_gib: float = 1.0       # KV cache size on a CPU device when num_gpu_blocks is None
     swap_space: float = 0.5             # GiB of host KV blocks for preemption by swap
-    max_num_seqs: int = 64              # requests running at once (a step's batch)
-    max_num_batched_tokens: int | None = None   # tokens per step; None = 2048 on a GPU, 512 on a CPU
+    max_num_seqs: int | None = None     # requests running at once (a step's batch); None = sized to the device (sizing.py: 64 on a CPU)
+    max_num_batched_tokens: int | None = None   # tokens per step; None = sized to the device (sizing.py: 512 on a CPU)
     max_model_len: int | None = None    # None = the model's context length (or what the KV cache holds, if less); more than either is refused
     async_scheduling: bool | None = None   # overlap: schedule and prepare step N+1 while the device runs step N; None = on for CUDA, off on a CPU
     enable_chunked_prefill: bool = True # long prompts run in chunks beside decodes (SARATHI)
@@ -36,6 +37,7 @@ class EngineConfig:
     seed: int = 0                       # for requests that sample without their own seed
     tensor_parallel_size: int = 1       # ranks (GPUs) the model is sharded over, Megatron-style
     pipeline_parallel_size: int = 1     # stages the layers are split into, tensor_parallel_size ranks each
+    usage_context: str = "offline"      # whose defaults the sizes left None take: "offline" (LLM) or "server" (llmlab serve sets it); not a flag
 
     def __post_init__(self):
         def integer(x, low, none_ok=False):
@@ -55,6 +57,9 @@ class EngineConfig:
             ("model", lambda: self.model is None or (isinstance(self.model, str) and self.model != "")
              or hasattr(self.model, "__fspath__"),
              "None (the embedded SmolLM2-135M-Instruct) or the path of a HF model folder or a .gguf file"),
+            ("tokenizer", lambda: self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer != "")
+             or hasattr(self.tokenizer, "__fspath__"),
+             'None (the model\'s own), "embedded", or the path of a HF folder or a .gguf file'),
             ("device", lambda: isinstance(self.device, str) and (
                 self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None),
              "auto, cpu or cuda[:N]"),
@@ -70,7 +75,7 @@ class EngineConfig:
             ("cpu_kv_cache_gib", lambda: number(self.cpu_kv_cache_gib, 0) and self.cpu_kv_cache_gib > 0,
              "a positive number (GiB)"),
             ("swap_space", lambda: number(self.swap_space, 0), "a number >= 0 (GiB)"),
-            ("max_num_seqs", lambda: integer(self.max_num_seqs, 1), "an integer >= 1"),
+            ("max_num_seqs", lambda: integer(self.max_num_seqs, 1, none_ok=True), "None or an integer >= 1"),
             ("max_num_batched_tokens", lambda: integer(self.max_num_batched_tokens, 1, none_ok=True),
              "None or an integer >= 1"),
             ("long_prefill_token_threshold", lambda: integer(self.long_prefill_token_threshold, 0),
@@ -84,12 +89,11 @@ class EngineConfig:
             ("preemption_mode", lambda: self.preemption_mode in ("swap", "recompute"), "swap or recompute"),
             ("tensor_parallel_size", lambda: integer(self.tensor_parallel_size, 1), "a positive integer"),
             ("pipeline_parallel_size", lambda: integer(self.pipeline_parallel_size, 1), "a positive integer"),
+            ("usage_context", lambda: self.usage_context in ("offline", "server"), "offline or server"),
         ]
         for name, ok, expected in checks:
             if not ok():
                 raise ValueError(f"EngineConfig.{name} must be {expected}, got {getattr(self, name)!r}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_token_budget(self.resolved_device())
         self._check_kv_cache_dtype()
 
     def _check_kv_cache_dtype(self) -> None:
@@ -226,15 +230,3 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=window,
         )
-
-
-# A step's time grows with its tokens. On a GPU 2048 tokens take tens of milliseconds; on a
-# laptop CPU (~1 ms per token for the 135M model, more on long contexts) they take seconds,
-# and every running stream waits for the whole step. 512 keeps a CPU step near a second
-# while a long prompt is prefilled (BENCHMARKS.md, "Server").
-GPU_TOKEN_BUDGET = 2048
-CPU_TOKEN_BUDGET = 512
-
-
-def default_token_budget(device: torch.device) -> int:
-    return GPU_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET

@@ -1,6 +1,7 @@
 """`LLM`: the offline entry point. Builds an engine, runs prompts to completion."""
 from __future__ import annotations
 
+import logging
 import numbers
 import threading
 import time
@@ -11,6 +12,8 @@ from llmlab.config import EngineConfig
 from llmlab.engine.engine import LLMEngine
 from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams
+
+logger = logging.getLogger("llmlab")
 
 
 class LLM:
@@ -30,6 +33,7 @@ class LLM:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; "
                              f"EngineConfig has {EngineConfig.field_names()}")
         self._attach(LLMEngine(EngineConfig(model=model, **engine_args)))
+        logger.info("llmlab: %s", self.engine.sizes.reason)   # what the sizes left None became, and why
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":

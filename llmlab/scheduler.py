@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from llmlab import preemption
+from llmlab import preemption, sizing
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
@@ -38,6 +38,9 @@ PENDING_TOKEN = -1
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  policy=fcfs, eos_token_ids=()):
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            # a config no engine sized (tests, the simulator): the same rule, for this cache
+            config, _ = sizing.resolve(config, block_manager.num_device_blocks)
         self.config = config
         self.blocks = block_manager
         self.policy: SchedulingPolicy = resolve_policy(policy)   # a name, an object or a key function

@@ -28,8 +28,10 @@ def help_of(capsys, *argv) -> str:
 ])
 def test_every_engine_field_is_a_flag_of_every_command(capsys, command, excluded):
     text = help_of(capsys, *command)
+    from llmlab.cli_flags import NOT_FLAGS
+
     for name in EngineConfig.field_names():
-        if name not in excluded:
+        if name not in excluded + NOT_FLAGS:
             assert flag(name) + " " in text or flag(name) + "," in text, (command, name)
 
 
@@ -52,7 +54,8 @@ def test_help_is_the_field_comment_and_defaults_can_differ(capsys):
     parser.print_help()
     text = " ".join(capsys.readouterr().out.split())
     assert "--block-size INT tokens per KV block (default: 16)" in text
-    assert "--max-num-seqs INT requests running at once (a step's batch) (default: 256)" in text
+    assert "--max-num-seqs INT requests running at once (a step's batch); None = sized to the device" in text
+    assert "(sizing.py: 64 on a CPU) (default: 256)" in text
     assert "--model" not in text
     assert engine_kwargs(parser.parse_args([])) == {"max_num_seqs": 256}
     booleans = [f.name for f in dataclasses.fields(EngineConfig) if f.type in ("bool", bool)]
@@ -61,10 +64,11 @@ def test_help_is_the_field_comment_and_defaults_can_differ(capsys):
 
 def test_the_cpu_token_budget_is_smaller_than_the_gpu_one():
     """Head-of-line blocking on a CPU: a 2048-token step takes ~30 s there (BENCHMARKS.md)."""
-    from llmlab.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET
+    from llmlab import sizing
 
-    assert EngineConfig(device="cpu").max_num_batched_tokens == CPU_TOKEN_BUDGET < GPU_TOKEN_BUDGET
-    assert EngineConfig(device="cpu", max_num_batched_tokens=64).max_num_batched_tokens == 64
+    assert sizing.token_budget(EngineConfig(device="cpu")) == sizing.CPU_TOKEN_BUDGET
+    assert sizing.CPU_TOKEN_BUDGET < min(row.server_tokens for row in sizing.GPU_SIZES)
+    assert sizing.token_budget(EngineConfig(device="cpu", max_num_batched_tokens=64)) == 64
 
 
 def test_allowed_hosts_default_to_loopback_names_on_loopback():

@@ -26,21 +26,17 @@ import time
 
 import torch
 
-# Llama-3-8B: the shape the GPU benchmarks measure (on random weights)
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-HIDDEN, INTERMEDIATE, VOCAB_SIZE = 4096, 14336, 128256
-# its config.json, for LlamaModel.random and the HF peer
-LLAMA3_8B = dict(model_type="llama", vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                 num_hidden_layers=32, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
-                 head_dim=HEAD_DIM, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-                 tie_word_embeddings=False, hidden_act="silu", bos_token_id=128000, eos_token_id=128001)
+from llmlab.model.random_weights import LLAMA3_8B, SMALL_LLAMA
+
+# Llama-3-8B: the shape the GPU benchmarks measure (on random weights). Its config.json
+# (LLAMA3_8B, for LlamaModel.random and the HF peer) and the few-MB SMALL_LLAMA are the
+# model layer's, where `--model random-llama3-8b` is built (model/random_weights.py).
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = (LLAMA3_8B[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+HIDDEN, INTERMEDIATE, VOCAB_SIZE = (LLAMA3_8B[k] for k in ("hidden_size", "intermediate_size", "vocab_size"))
 # its weights as [out, in] matrices: what one decode step streams from HBM
 LLAMA3_8B_WEIGHTS = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN),
                      "o_proj": (HIDDEN, NUM_HEADS * HEAD_DIM), "gate_up": (2 * INTERMEDIATE, HIDDEN),
                      "down": (HIDDEN, INTERMEDIATE), "lm_head": (VOCAB_SIZE, HIDDEN)}
-# the same layout at a few MB (GQA 4, head_dim a power of two): a CPU runs it in seconds
-SMALL_LLAMA = dict(LLAMA3_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                   num_key_value_heads=2, head_dim=32)
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
@@ -198,32 +194,32 @@ def random_engine_config(args, num_gpu_blocks=None, max_num_seqs=256, max_num_ba
 def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_tokens=16384,
                   engine_args: dict | None = None):
     """(LLM, its HF config): random weights in the Llama-3-8B shape (bf16 on CUDA; `args.layers`,
-    when set, fewer layers), no tokenizer. `engine_args`: EngineConfig fields that override
-    the ones chosen here."""
+    when set, fewer layers), with no tokenizer unless `--tokenizer` (EngineConfig.tokenizer)
+    names one: then the vocabulary is the tokenizer's (model/random_weights.py).
+    `engine_args`: EngineConfig fields that override the ones chosen here."""
     from llmlab.llm import LLM
     from llmlab.engine.model_runner import check_device
+    from llmlab.model.loader import resolve_tokenizer
+    from llmlab.model.random_weights import check_random_device, random_shape
 
-    hf = dict(LLAMA3_8B)
-    if getattr(args, "layers", None):
-        hf["num_hidden_layers"] = args.layers
     config = random_engine_config(args, num_gpu_blocks, max_num_seqs, max_num_batched_tokens, engine_args)
     device = config.resolved_device()
     check_device(config.device, device)
-    if device.type != "cuda":   # 8B parameters: 32 GB in float32, built before any other check
-        raise ValueError("--model random-llama3-8b (random weights in the Llama-3-8B shape) needs a CUDA "
-                         f"device, not {config.device!r}; on a CPU, leave --model out (the embedded model)")
-    return LLM.from_engine(engine_with_random_weights(config, hf)), hf
+    check_random_device(config.model, device)   # 8B parameters: 32 GB in float32, built before any other check
+    tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+    hf = random_shape(config.model, tokenizer, getattr(args, "layers", None))
+    return LLM.from_engine(engine_with_random_weights(config, hf, tokenizer)), hf
 
 
-def engine_with_random_weights(config, hf: dict):
+def engine_with_random_weights(config, hf: dict, tokenizer=None):
     """An LLMEngine for `config` on a model of random weights in the shape of `hf` (a HF
-    config.json as a dict), in the config's dtype and on its device."""
+    config.json as a dict), in the config's dtype and on its device, with `tokenizer`."""
     from llmlab import LLMEngine
     from llmlab.config import ModelConfig
     from llmlab.model.llama import LlamaModel
 
     model = LlamaModel.random(ModelConfig.from_hf(hf), config.resolved_dtype(), config.resolved_device())
-    return LLMEngine(config, model=model)
+    return LLMEngine(config, model=model, tokenizer=tokenizer)
 
 
 def random_hf_model(hf: dict, dtype, device):

@@ -156,7 +156,7 @@ def main(args) -> dict:
             server.should_exit = True
             thread.join()
         result.update(device=engine.device.type, backend=engine.backend, dtype=str(engine.dtype),
-                      max_num_batched_tokens=config.max_num_batched_tokens,
+                      max_num_batched_tokens=engine.config.max_num_batched_tokens,
                       config={k: v for k, v in engine_kwargs(args).items()})
     result.update(cpu=cpu_name(), load_average=os.getloadavg())
     print(json.dumps(result, indent=2))

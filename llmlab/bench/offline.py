@@ -6,7 +6,12 @@ What users run is measured too: sampling settings (--temperature/--top-p/--top-k
 --seed, and more settings side by side with --compare), prefix caching on and off in the
 same process (--compare-prefix-caching), and prompts that share a prefix (--prefix-len,
 --num-prefixes). --compare-async-scheduling runs every setting with the engine's steps one at
-a time, then overlapped (EngineConfig.async_scheduling), on the same engine."""
+a time, then overlapped (EngineConfig.async_scheduling), on the same engine.
+
+`--dataset serving-synthetic` runs `llmlab bench serving`'s prompts instead (bench/prompts.py):
+those of `bench serving --seed S --num-prompts N` (its first rate's) for `--workload-seed S
+--num-requests N`, with the same length flags, tokenized as the server tokenizes them: the
+same token ids and output lengths, so the two commands give the server / offline ratio."""
 from __future__ import annotations
 
 import time
@@ -16,11 +21,16 @@ from llmlab.machine import machine_name
 
 
 def add_arguments(parser) -> None:
+    from llmlab.bench.prompts import add_synthetic_arguments
     from llmlab.cli_flags import add_engine_arguments, positive_int
 
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2); "
                         "'random-llama3-8b' = random bf16 weights in the Llama-3-8B shape")
     parser.add_argument("--num-requests", type=positive_int, default=256)
+    parser.add_argument("--dataset", choices=["random", "serving-synthetic"], default="random",
+                        help="random: token ids, lengths from the flags below (nano-vllm's); serving-synthetic: "
+                             "bench serving's text prompts for --workload-seed (its --seed) and the "
+                             "--mean-/--max-input/output-len flags (the model needs a tokenizer)")
     parser.add_argument("--min-len", type=int, default=100, help="input and output lengths are uniform in")
     parser.add_argument("--max-len", type=int, default=1024, help="[min-len, max-len] unless fixed below")
     parser.add_argument("--input-len", type=int, default=None, help="fixed input length")
@@ -33,6 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="every prompt starts with one of --num-prefixes shared prefixes of this many tokens")
     parser.add_argument("--num-prefixes", type=int, default=1)
+    add_synthetic_arguments(parser.add_argument_group("--dataset serving-synthetic (bench serving's flags)"))
     sampling = parser.add_argument_group("sampling (one setting; --compare adds more, run in the same process)")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -99,6 +110,20 @@ def build_workload(args, vocab_size: int):
         raise ValueError(f"--min-len {args.min_len} and --max-len {args.max_len}: need 0 < min <= max")
     return Workload.throughput(args.num_requests, args.min_len, args.max_len, args.input_len, args.output_len,
                                args.prefix_len, args.num_prefixes, args.workload_seed, vocab_size)
+
+
+def serving_workload(args, engine):
+    """bench serving's prompts for --workload-seed as its first rate sends them (prompts.py),
+    every request at t = 0, tokenized by `engine.tokenize`, as the server tokenizes them."""
+    from llmlab.bench.prompts import for_rate, synthetic_prompts_of
+    from llmlab.experiments.workload import Workload, WorkloadRequest
+
+    if engine.tokenizer is None:
+        raise ValueError("--dataset serving-synthetic sends text: the model needs a tokenizer "
+                         "(with random weights: --tokenizer embedded)")
+    prompts = for_rate(synthetic_prompts_of(args, args.num_requests, args.workload_seed), 0)
+    return Workload([WorkloadRequest(str(i), 0.0, engine.tokenize(p.text)[0], p.output_len, prompt=p.text)
+                     for i, p in enumerate(prompts)])
 
 
 def build_llm(args, **overrides):
@@ -197,7 +222,7 @@ def main(args) -> list[dict]:
         engine = llm.engine
         meta = engine.dtype, engine.device.type, engine.backend
         vocab = engine.model_config.vocab_size
-        workload = build_workload(args, vocab)
+        workload = serving_workload(args, engine) if args.dataset == "serving-synthetic" else build_workload(args, vocab)
         warm_up(llm, workload, settings[0], full=args.warmup == "full")
         overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
@@ -210,7 +235,7 @@ def main(args) -> list[dict]:
             torch.cuda.empty_cache()
     dtype, device, backend = meta
     if args.hf:
-        hf_requests = build_workload(args, vocab).requests[:args.hf_num_requests or args.num_requests]
+        hf_requests = workload.requests[:args.hf_num_requests or args.num_requests]   # the same for every engine
         results.append(run_hf(hf_model(args, dtype, device), hf_requests, args.hf_batch_size, device))
     name = machine_name(device)
     shared = f", prompts share {args.num_prefixes} prefix(es) of {args.prefix_len} tokens" if args.prefix_len else ""

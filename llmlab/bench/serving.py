@@ -31,8 +31,11 @@ cache an earlier rate filled.
 Prompts are synthetic by default: `Workload.lognormal`'s lengths, drawn from lognormal
 distributions with the means of ShareGPT conversations (161 prompt and 338 output tokens,
 vLLM paper §6), made of random common words (about one token each), or read from a JSONL file of
-{"prompt": ..., "output_len": ...} lines. `ignore_eos` (a vLLM extension llmlab serve
-accepts) makes every request generate exactly its output length.
+{"prompt": ..., "output_len": ...} lines (prompts.py). `ignore_eos` (a vLLM extension llmlab serve
+accepts) makes every request generate exactly its output length; greedy. `llmlab bench
+offline --dataset serving-synthetic --workload-seed S --num-requests N` runs the first
+rate's prompts of `--seed S --num-prompts N` on the offline engine (the same token ids and
+output lengths), for the server / offline ratio (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -40,36 +43,14 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from llmlab.bench.common import write_json
+from llmlab.bench.prompts import (WORDS, Prompt, add_synthetic_arguments, for_rate, jsonl_prompts,  # noqa: F401
+                                  synthetic_prompts, synthetic_prompts_of)
 from llmlab.bench.serving_metrics import (VLLM_METRICS, format_result, format_table, meets_slo, parse_slo,  # noqa: F401
                                           summarize, traffic_lines)
-from llmlab.experiments.workload import (FIRST_TOKEN_ID, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_MEAN_PROMPT_LEN, Workload,
-                                         lognormal_lengths)
-
-# Short, common words: each is one token in LLaMA-family tokenizers when preceded by a space.
-WORDS = ("the of and to in is you that it he was for on are as with his they at be this have "
-         "from or one had by word but not what all were we when your can said there use an each "
-         "which she do how their if will up other about out many then them these so some her "
-         "would make like him into time has look two more write go see number no way could people "
-         "my than first water been call who oil its now find long down day did get come made may "
-         "part over new sound take only little work know place year live me back give most very "
-         "after thing our just name good sentence man think say great where help through much "
-         "before line right too mean old any same tell boy follow came want show also around form "
-         "three small set put end does another well large must big even such because turn here "
-         "why ask went men read need land different home us move try kind hand picture again "
-         "change off play spell air away animal house point page letter mother answer found study "
-         "still learn should world high every near add food between own below country plant last "
-         "school father keep tree never start city earth eye light thought head under story saw").split()
-
-
-@dataclass
-class Prompt:
-    text: str
-    output_len: int
-    input_len: int | None = None     # requested (synthetic) length; the server's usage is exact
-
+from llmlab.experiments.workload import Workload
 
 @dataclass
 class RequestResult:
@@ -81,6 +62,7 @@ class RequestResult:
     latency: float | None = None
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""                    # what came back (greedy: comparable with the offline engine's)
     queued: float = 0.0               # seconds it waited on the client for a slot (--max-concurrency)
 
     @property
@@ -90,33 +72,7 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-# ---- workloads -------------------------------------------------------------------------
-def synthetic_prompts(num_prompts: int, seed: int = 0, mean_input_len: float = SHAREGPT_MEAN_PROMPT_LEN,
-                      mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN, sigma: float = 1.0,
-                      max_input_len: int = 1024, max_output_len: int = 1024) -> list[Prompt]:
-    """`Workload.lognormal`'s requests as text: its ids are drawn from a vocabulary of WORDS,
-    and each becomes its word."""
-    workload = Workload.lognormal(num_prompts, mean_input_len, mean_output_len, sigma, max_input_len, max_output_len,
-                                  seed=seed, vocab_size=FIRST_TOKEN_ID + len(WORDS))
-    return [Prompt(" ".join(WORDS[i - FIRST_TOKEN_ID] for i in r.prompt_token_ids), r.output_len,
-                   len(r.prompt_token_ids)) for r in workload]
-
-
-def jsonl_prompts(path: str, num_prompts: int, seed: int = 0, mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN,
-                  max_output_len: int = 1024) -> list[Prompt]:
-    """Lines of {"prompt": str, "output_len": int (optional: else drawn like the synthetic ones)}."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
-        raise ValueError(f"{path}: every line must be a JSON object with a string 'prompt'")
-    order = rng.permutation(len(rows))[:num_prompts]
-    sampled = lognormal_lengths(rng, len(order), mean_output_len, 1.0, 1, max_output_len)
-    return [Prompt(rows[i]["prompt"], int(rows[i].get("output_len") or m)) for i, m in zip(order, sampled)]
-
-
+# ---- arrivals -------------------------------------------------------------------------
 def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Arrival times (s), the first at t = 0: gaps from a gamma distribution with shape
     `burstiness` and mean 1/rate (vLLM's `--burstiness`; `Workload.gamma` with cv =
@@ -154,6 +110,7 @@ async def send(client, model: str, prompt: Prompt, arrival: float, sent: float) 
                     return result
                 now = time.perf_counter()
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    result.text += chunk["choices"][0]["text"]
                     if result.ttft is None:
                         result.ttft = now - sent
                     else:
@@ -214,15 +171,6 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
     summary["max_concurrent_requests"] = in_flight["peak"]
     return {"rate": rate, "burstiness": burstiness, "max_concurrency": max_concurrency, **summary,
             "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
-
-
-def for_rate(prompts: list[Prompt], index: int) -> list[Prompt]:
-    """The prompts for point `index` of a sweep: each behind the same first word, one word
-    (about one token) per point, so no point's prompts share a first KV block with
-    another's and a prefix-caching server computes every point's prompts in full."""
-    word = WORDS[index % len(WORDS)]
-    return [replace(p, text=f"{word} {p.text}", input_len=None if p.input_len is None else p.input_len + 1)
-            for p in prompts]
 
 
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
@@ -295,10 +243,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--metric-percentiles", default="99", help="percentiles to print, e.g. 50,90,99")
     parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", default=None, help='JSONL: {"prompt": str, "output_len": int (optional)}')
-    parser.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_PROMPT_LEN)
-    parser.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT_LEN)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
+    add_synthetic_arguments(parser)   # (prompts.py: bench offline --dataset serving-synthetic has them too)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results (every request's timings too) as JSON")
 
@@ -320,8 +265,7 @@ def main(args) -> None:
     if args.dataset:
         prompts = jsonl_prompts(args.dataset, args.num_prompts, args.seed, args.mean_output_len, args.max_output_len)
     else:
-        prompts = synthetic_prompts(args.num_prompts, args.seed, args.mean_input_len, args.mean_output_len,
-                                    max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+        prompts = synthetic_prompts_of(args, args.num_prompts, args.seed)
     report = run(args.base_url, rates, prompts, args.model, args.api_key, args.seed, burstiness=args.burstiness,
                  max_concurrency=args.max_concurrency, slo_ms=slo_ms or None, percentiles=percentiles)
     for result in report["results"]:

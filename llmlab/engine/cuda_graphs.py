@@ -2,7 +2,8 @@
 
 A decode step of a big model launches ~10 kernels per layer; at batch 1 the GPU finishes
 each faster than Python can launch the next. So, at start-up, the decode forward is
-captured per batch size of a ladder (1, 2, 4, 8, 16, 24, ...) over static input buffers;
+captured per batch size of a ladder (1, 2, 4, 8, 16, 24, ... 256, 272, ... up to 512,
+sizing.py's MAX_GRAPH_BATCH_SIZE) over static input buffers;
 a pure-decode step copies its inputs into the buffers of the smallest size that fits
 (padding rows write nowhere: slot -1) and replays the graph. The number of flash-decoding
 splits is baked into a graph, so graphs are keyed by (size, splits): every size is captured
@@ -15,11 +16,15 @@ from __future__ import annotations
 import torch
 
 from llmlab.model.llama import ForwardBatch
+from llmlab.sizing import MAX_GRAPH_BATCH_SIZE
 
 
-def batch_size_ladder(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4] + list(range(8, max(max_num_seqs, 8) + 1, 8))
-    return [s for s in sizes if s <= max(max_num_seqs, 1)]
+def batch_size_ladder(max_num_seqs: int, largest: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
+    """The batch sizes captured, as vLLM's: 1, 2, 4, multiples of 8 up to 256, then of 16, up
+    to max_num_seqs and at most `largest` (a larger decode step runs eagerly)."""
+    top = max(min(max_num_seqs, largest), 1)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max(top, 8) + 1, 16))
+    return [s for s in sizes if s <= top]
 
 
 class CudaGraphDecoder:

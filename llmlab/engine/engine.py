@@ -44,6 +44,7 @@ class LLMEngine:
     executor = property(lambda self: self.runner.executor, doc="the parallel ranks' executor, or None")
     max_model_len = property(lambda self: self.runner.max_model_len, doc="the longest prompt + output")
     kv_cache_tokens = property(lambda self: self.runner.kv_cache_tokens, doc="tokens the device KV cache holds")
+    sizes = property(lambda self: self.runner.sizes, doc="max_num_seqs and max_num_batched_tokens as chosen, and why")
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs, block_manager=BlockManager,
@@ -53,9 +54,10 @@ class LLMEngine:
         BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
         IncrementalDetokenizer's and OutputText's (the output processor builds one of each
         per request). `policy` is the scheduler's (policies.py)."""
-        self.config = config
-        # load -> prepack -> memory profile -> KV cache: the runner's work
+        # load -> prepack -> memory profile -> KV cache: the runner's work; its config has the
+        # sizes that were left None chosen for this device and cache (sizing.py)
         self.runner = runner = ModelRunner(config, model, tokenizer)
+        self.config = config = runner.config
         # found beside the weights; the engine's: prompts in (tokenize), text out (its output processor)
         self.tokenizer = runner.tokenizer
         self.block_manager = block_manager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,

@@ -7,6 +7,8 @@ At start-up, in this order:
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for), and
               max_model_len within the model's context and the cache (max_model_len_for)
+  sizes       max_num_seqs and max_num_batched_tokens left None, for this device and cache
+              (sizing.py); `self.config` is the config with them set
 Then the engine's warm-up (warm_up.py: everything compiled or captured at start-up) makes
 the decode CUDA graphs (`make_decode_graphs`) and runs throwaway batches through `execute`.
 Then every step: `swap` (block copies of the plan), `prepare_step` (batch.py: the flat
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
+from llmlab import sizing
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import batch as batches
 from llmlab.engine.host_memory import keep_freed_memory
@@ -32,15 +35,28 @@ from llmlab.plan import Plan
 
 
 def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):
-    """(model, its folder) from `config.model`: a HF folder, a .gguf file or the embedded
-    model. With tensor parallelism the whole model waits on the CPU, to be cut into shards."""
-    from llmlab.model.loader import iter_weights, load_config, resolve_model
+    """(model, tokenizer) from `config.model`: a HF folder, a .gguf file, the embedded model,
+    or random weights by name (model/random_weights.py); the tokenizer is config.tokenizer's
+    when set, else the one beside the weights. With tensor parallelism the whole model waits
+    on the CPU, to be cut into shards."""
+    from llmlab.model.loader import iter_weights, load_config, resolve_model, resolve_tokenizer
+    from llmlab.model.random_weights import check_random_device, is_random_model, random_model, random_shape
 
+    if is_random_model(config.model):
+        check_random_device(config.model, device)   # 8B on a CPU: refused before anything loads
+    tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
+    if is_random_model(config.model):
+        check_context(config, ModelConfig.from_hf(random_shape(config.model, tokenizer)))
+        return random_model(config.model, dtype, load_device, tokenizer), tokenizer
     folder = resolve_model(config.model)
     model_config = load_config(folder)
     check_context(config, model_config)   # before the weights: a bad value fails in a second, not after the load
-    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
-    return LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device), folder
+    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"EngineConfig.tokenizer {str(config.tokenizer)!r} has {tokenizer.vocab_size} tokens, more "
+                         f"than the model's vocabulary of {model_config.vocab_size}: its ids would miss the embedding")
+    model = LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device)
+    return model, tokenizer if tokenizer is not None else folder_tokenizer(folder)
 
 
 def check_context(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -101,8 +117,8 @@ class ModelRunner:
         self.backend = config.resolved_backend()
         self.block_size = config.block_size
         if model is None:
-            model, folder = load(config, self.device, self.dtype)
-            tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(folder)
+            model, found = load(config, self.device, self.dtype)
+            tokenizer = tokenizer if tokenizer is not None else found
         self.tokenizer = tokenizer
         # tensor parallelism (llmlab.engine.parallel.executor): this process is rank 0 and keeps one
         # shard; its forward also runs the shards of tensor_parallel_size - 1 workers
@@ -126,6 +142,8 @@ class ModelRunner:
         self.num_device_blocks, self.num_host_blocks = num_blocks_for(
             config, self.model_config, self.dtype, self.device, weights_bytes, self.profile_activation_bytes())
         self.kv_cache_tokens = self.num_device_blocks * self.block_size   # reported beside max_model_len
+        # the sizes left None, for this device and cache: from here on self.config has them
+        self.config, self.sizes = sizing.resolve(config, self.num_device_blocks)
         try:
             self.max_model_len = max_model_len_for(config, self.model_config, self.kv_cache_tokens)
         except ValueError:
@@ -152,7 +170,7 @@ class ModelRunner:
         """Peak extra memory of a worst-case forward (full token budget), measured on CUDA."""
         if self.device.type != "cuda" or self.config.num_gpu_blocks is not None:
             return 0
-        tokens = self.config.max_num_batched_tokens
+        tokens = sizing.token_budget(self.config)   # what the step budget will be
         plan = batches.dummy_plan(self.block_size, prefills=[(tokens, tokens)])
         probe = KVCache(self.model_config, batches.num_blocks_of(plan, self.block_size), 0,
                         self.block_size, self.dtype, self.device)

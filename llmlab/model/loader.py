@@ -72,6 +72,17 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def resolve_tokenizer(name: str | os.PathLike):
+    """The Tokenizer of `EngineConfig.tokenizer`: "embedded" (the embedded SmolLM2's, 49,152
+    tokens), a HF model folder or a .gguf file (its tokenizer)."""
+    from llmlab.model.tokenizer import Tokenizer
+
+    folder = resolve_model(None if str(name) == "embedded" else name)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"--tokenizer {str(name)!r}: {folder} has no tokenizer.json or tokenizer_config.json")
+    return Tokenizer(str(folder))
+
+
 def _converted(gguf_path: Path) -> Path:
     from llmlab.model.gguf_convert import convert_gguf
 

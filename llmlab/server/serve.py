@@ -165,6 +165,7 @@ def main(args) -> None:
     from llmlab.policies import resolve_policy
     from llmlab.server.app import EMBEDDED_MODEL_NAME, create_app
     kwargs = engine_kwargs(args)
+    kwargs["usage_context"] = "server"   # the server's sizes when left None (sizing.py): shorter steps
     config = EngineConfig(**kwargs)
     if "long_prefill_token_threshold" not in kwargs and config.resolved_device().type == "cpu":
         # a CPU step over a whole 512-token budget takes seconds: cap each prompt's share so a
@@ -177,6 +178,7 @@ def main(args) -> None:
     print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}: max_model_len "
           f"{engine.max_model_len} (model context {engine.model_config.context_length}), KV cache "
           f"{engine.kv_cache_tokens} tokens", file=sys.stderr, flush=True)
+    print(engine.sizes.reason, file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)
