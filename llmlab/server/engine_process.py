@@ -54,10 +54,13 @@ class EngineProcess:
         child_end.close()    # only the child holds it now: its death closes the pipe
         try:
             kind, payload = self._connection.recv()
-        except EOFError:
+        except BaseException as err:    # it died; or a Ctrl-C here: it must not outlive us
+            self.process.kill()
             self.process.join()
-            raise RuntimeError(f"the engine process exited while loading the model "
-                               f"(exit code {self.process.exitcode})") from None
+            if isinstance(err, EOFError):
+                raise RuntimeError(f"the engine process exited while loading the model "
+                                   f"(exit code {self.process.exitcode})") from None
+            raise
         if kind == "error":
             self.process.join()
             raise payload
