@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from llmlab.engine.engine import LLMEngine
+    from llmlab.server.engine_process import EngineProcess
 
 logger = logging.getLogger("llmlab.server")
 
@@ -56,9 +57,10 @@ def model_name_for(model: str | None) -> str:
     return EMBEDDED_MODEL_NAME if model is None else Path(model).name
 
 
-def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: LLMEngine | EngineProcess, model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None) -> FastAPI:
-    """The app for one engine. The engine thread starts and stops with the app (lifespan);
+    """The app for one engine: an LLMEngine (its loop runs on a thread of this process) or an
+    EngineProcess (`llmlab serve`: engine_process.py). The loop starts and stops with the app (lifespan);
     `app.state.async_engine` gives tests and notebooks its metrics and KV stats.
     `allowed_hosts=None` accepts any Host header (`llmlab serve` defaults to the loopback
     names when it listens on loopback); an empty `api_key` is refused (ValueError)."""

@@ -1,7 +1,7 @@
 """Server metrics for Prometheus, kept and exposed by `prometheus_client`.
 
-The engine thread writes most of them (it sees every token as it is sampled); handlers
-count the requests they refuse or that fail; `/metrics` reads. Gauges (queue lengths, KV
+The engine loop's API side writes most of them (async_engine.py: it sees every token as it
+arrives); handlers count the requests they refuse or that fail; `/metrics` reads. Gauges (queue lengths, KV
 blocks) are read from the engine's latest `kv_stats()` at scrape time; counters and
 histograms accumulate. Names follow vLLM's where one exists (`vllm:num_preemptions` is
 `llmlab_num_preemptions` here), so a Grafana dashboard for one reads the other with a

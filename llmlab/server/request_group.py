@@ -1,7 +1,8 @@
 """A handler's end of one API request: the engine requests of its choices (`n` per prompt,
 for every prompt of a completion request), read through one queue.
 
-The engine thread (async_engine.py) puts each choice's outputs in its group's queue as
+The API side of the engine (async_engine.py) rebuilds each choice's outputs from the deltas
+the engine loop sends (`RequestStream.received`) and puts them in its group's queue as
 (choice index, RequestOutput or exception); the handler reads them with
 `RequestGroup.outputs()`, which merges what piled up for a slow reader, and `close()`
 aborts whatever has not finished (a client that hung up, a stream that failed), so every
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from llmlab.request import Request, RequestOutput
+from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams
 
 
@@ -27,10 +28,39 @@ class RequestStream:
     params: SamplingParams
     queue: asyncio.Queue             # its RequestGroup's: (index, RequestOutput | Exception)
     arrival_time: float = field(default_factory=time.perf_counter)
-    # touched only by the engine thread (for metrics)
-    request: Request | None = None   # the engine's request (its num_preemptions)
-    num_tokens_seen: int = 0
+    # what has arrived so far (the cumulative output), and when the last token did (metrics)
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     last_token_time: float = 0.0
+
+    def received(self, delta) -> RequestOutput:
+        """The RequestOutput of a step's `Delta` (engine_loop.py), its cumulative text, token ids
+        and logprobs made of every delta so far. O(the delta): like `RequestOutput.of`, the
+        cumulative views are a snapshot (a list and a length) joined only when read."""
+        self.token_ids += delta.delta_token_ids
+        self.pieces.append(delta.delta_text)
+        if delta.delta_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.delta_logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        out = RequestOutput.__new__(RequestOutput)
+        out.request_id, out.prompt, out.prompt_token_ids = self.request_id, None, self.prompt_token_ids
+        out.finished, out.finish_reason = delta.finished, delta.finish_reason
+        out.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
+        out._all_token_ids, out._num_tokens = self.token_ids, len(self.token_ids)
+        out._output_text, out._num_pieces, out._text = self, len(self.pieces), None
+        out.delta_text, out.delta_token_ids, out.delta_logprobs = (delta.delta_text, delta.delta_token_ids,
+                                                                   delta.delta_logprobs)
+        out.prompt_logprobs, out._logprobs = self.prompt_logprobs, self.logprobs
+        return out
+
+    def text_of(self, num_pieces: int) -> str:
+        """The text of the first `num_pieces` deltas (a RequestOutput's `text`, read when asked)."""
+        return "".join(self.pieces[:num_pieces])
 
 
 class RefusedRequest(ValueError):

@@ -2,7 +2,13 @@
 
     llmlab serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                  [--shutdown-timeout 5] [--allowed-hosts a,b] [--timeout-read 10]
-                 [--timeout-keep-alive 5] [--max-connections 1024] [every EngineConfig flag]
+                 [--timeout-keep-alive 5] [--max-connections 1024] [--engine-in-process]
+                 [every EngineConfig flag]
+
+The engine runs in an engine-core process of its own (engine_process.py: the engine's host
+work and the server's HTTP work then hold separate GILs); `--engine-in-process` runs it on a
+thread of the server's process instead. If the engine process dies, running requests end
+with a 500 and the server exits with status 1, saying so in one line.
 
 On SIGTERM or Ctrl-C the server stops accepting connections, lets running requests
 finish for up to --shutdown-timeout seconds, then ends every open stream with an error
@@ -65,6 +71,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-connections", type=positive_int, default=limits.max_connections,
                         help="open connections; a request on one more gets a 503 (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine on a thread of the server's process, not in an engine-core "
+                             "process of its own (engine_process.py)")
     parser.add_argument("--policy", default="fcfs",
                         help="the scheduling policy: fcfs, shortest_prompt_first, shortest_output_first, priority, "
                              "or module:Name (a SchedulingPolicy, its class, or a key function; module may be "
@@ -164,6 +173,7 @@ def main(args) -> None:
     from llmlab.engine.engine import LLMEngine
     from llmlab.policies import resolve_policy
     from llmlab.server.app import EMBEDDED_MODEL_NAME, create_app
+    from llmlab.server.engine_process import EngineProcess
     kwargs = engine_kwargs(args)
     kwargs["usage_context"] = "server"   # the server's sizes when left None (sizing.py): shorter steps
     config = EngineConfig(**kwargs)
@@ -174,7 +184,7 @@ def main(args) -> None:
     policy = resolve_policy(args.policy)   # a bad --policy fails before minutes of loading, not after
     start = time.perf_counter()
     print(f"loading {config.model or 'the embedded ' + EMBEDDED_MODEL_NAME} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(config, policy=policy)
+    engine = LLMEngine(config, policy=policy) if args.engine_in_process else EngineProcess(config, args.policy)
     print(f"loaded in {time.perf_counter() - start:.1f}s on {engine.device.type}: max_model_len "
           f"{engine.max_model_len} (model context {engine.model_config.context_length}), KV cache "
           f"{engine.kv_cache_tokens} tokens", file=sys.stderr, flush=True)
@@ -182,15 +192,22 @@ def main(args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)
-    app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
-    limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
-    serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
+    try:
+        app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
+        limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
+        serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
+    finally:
+        if isinstance(engine, EngineProcess):
+            engine.stop()    # (a no-op after the app's shutdown; not after a port that was taken)
 
 
 def serve(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
           limits: ConnectionLimits = ConnectionLimits()) -> None:
     config = server_config(app, host, port, shutdown_timeout, log_level, limits)
-    GracefulServer(config, app.state.async_engine, shutdown_timeout).run()
+    server = GracefulServer(config, app.state.async_engine, shutdown_timeout)
+    server.run()
+    if server.exit_status:
+        sys.exit(server.exit_status)
 
 
 def server_config(app, host: str, port: int, shutdown_timeout: float = SHUTDOWN_TIMEOUT, log_level: str = "info",
@@ -212,6 +229,18 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, async_engine, shutdown_timeout: float):
         super().__init__(config)
         self.async_engine, self.shutdown_timeout = async_engine, shutdown_timeout
+        self.exit_status = 0
+        async_engine.on_engine_death = self.engine_died
+
+    def engine_died(self, num_ended: int) -> None:
+        """The engine process died: its requests have been ended with a 500; shut down (the
+        drain finds nothing left to wait for) and exit with status 1, so that a supervisor
+        restarts the server with a fresh engine."""
+        exitcode = getattr(self.async_engine.engine, "exitcode", None)
+        print(f"llmlab serve: the engine process died (exit code {exitcode}); ended its {num_ended} running "
+              f"requests with a 500; the server is exiting (status 1)", file=sys.stderr, flush=True)
+        self.exit_status = 1
+        self.should_exit = True
 
     async def shutdown(self, sockets=None):
         # uvicorn's shutdown closes the listening sockets at once (no new connections), then

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -126,3 +127,28 @@ def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The process ids of a process's children (Linux: /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def engine_pid(server_pid: int) -> int:
+    """A `llmlab serve` process's engine-core process (multiprocessing's spawned child; the
+    other child is multiprocessing's resource tracker)."""
+    found = [c for c in child_pids(server_pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process runs (a zombie, exited and not yet reaped, is not alive)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

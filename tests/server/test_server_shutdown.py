@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from helpers.server import metrics, serve_subprocess
+from helpers.server import engine_pid, metrics, process_alive, serve_subprocess
 
 pytestmark = pytest.mark.slow     # a `llmlab serve` process of its own
 
@@ -74,6 +74,7 @@ def test_sigterm_drains_then_ends_what_is_left_with_503s(server_process):
     short_stream.start()
     wait_until(lambda: short_stream.num_texts() >= 1)    # running: it has its first token
 
+    engine = engine_pid(process.pid)
     process.send_signal(signal.SIGTERM)
 
     def refused() -> bool:    # the listening socket closes: no new connections
@@ -88,6 +89,7 @@ def test_sigterm_drains_then_ends_what_is_left_with_503s(server_process):
         thread.join(timeout=GRACE + 30)
         assert not thread.is_alive()
     assert process.wait(timeout=30) == 0
+    wait_until(lambda: not process_alive(engine))     # no orphan: the engine process stopped too
 
     # the short request finished normally inside the grace period
     assert short_stream.lines[-1] == "[DONE]"
