@@ -40,7 +40,7 @@ STOP_TIMEOUT = 30.0    # seconds the engine process gets to finish its step and 
 
 class EngineProcess:
     """The API process's handle on the engine core: what the server reads of an LLMEngine
-    (config, tokenizer, max_model_len, model_config, kv_cache_tokens, device, tokenize,
+    (config, sizes, tokenizer, max_model_len, model_config, kv_cache_tokens, device, tokenize,
     kv_stats), and the loop's interface (start, send, stop, is_alive; as EngineThread's)."""
 
     def __init__(self, config: EngineConfig, policy: str = "fcfs"):
@@ -64,7 +64,7 @@ class EngineProcess:
         if kind == "error":
             self.process.join()
             raise payload
-        self.config = config
+        self.config, self.sizes = payload["config"], payload["sizes"]   # with the sizes the engine chose
         self.tokenizer, self.max_model_len = payload["tokenizer"], payload["max_model_len"]
         self.model_config, self.kv_cache_tokens = payload["model_config"], payload["kv_cache_tokens"]
         self.device, self._kv_stats = payload["device"], payload["kv_stats"]
@@ -147,7 +147,7 @@ def run_engine_core(config: EngineConfig, policy: str, connection) -> None:
         except Exception:    # an exception that does not pickle: its text
             connection.send(("error", RuntimeError(f"{type(err).__name__}: {err}")))
         return
-    connection.send(("ready", dict(tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
+    connection.send(("ready", dict(config=engine.config, sizes=engine.sizes, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
                                    model_config=engine.model_config, kv_cache_tokens=engine.kv_cache_tokens,
                                    device=engine.device, kv_stats=engine.kv_stats())))
 
