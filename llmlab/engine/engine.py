@@ -48,15 +48,19 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs, block_manager=BlockManager,
-                 detokenizer=IncrementalDetokenizer, output_text=OutputText):
+                 detokenizer=IncrementalDetokenizer, output_text=OutputText, decoder_layer=None,
+                 sampler=Sampler):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights).
         The plug-in points (the exercises' components run here): `block_manager`, a class with
         BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
         IncrementalDetokenizer's and OutputText's (the output processor builds one of each
-        per request). `policy` is the scheduler's (policies.py)."""
+        per request); `decoder_layer`, a class that runs each layer of the model in place of
+        LlamaModel's own loop body (LlamaModel.with_decoder_layer; None: the model's own);
+        `sampler`, a class with Sampler's constructor (seed, backend) and methods.
+        `policy` is the scheduler's (policies.py)."""
         # load -> prepack -> memory profile -> KV cache: the runner's work; its config has the
         # sizes that were left None chosen for this device and cache (sizing.py)
-        self.runner = runner = ModelRunner(config, model, tokenizer)
+        self.runner = runner = ModelRunner(config, model, tokenizer, decoder_layer)
         self.config = config = runner.config
         # found beside the weights; the engine's: prompts in (tokenize), text out (its output processor)
         self.tokenizer = runner.tokenizer
@@ -65,7 +69,7 @@ class LLMEngine:
         eos = runner.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
         self.output = OutputProcessor(self.tokenizer, eos, detokenizer, output_text)
-        self.sampler = Sampler(config.seed, self.backend)
+        self.sampler = sampler(config.seed, self.backend)
         warm_up(runner, self.sampler, config)   # decode graphs, kernel variants, sampler graphs (GPU only)
         self.hooks = HookBus()
         self.kernel_timing = False     # set True to record per-kernel timings in StepRecords

@@ -106,8 +106,9 @@ def check_device(name: str, device: torch.device) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None):
-        """Loads `config.model`, or runs the given model (and tokenizer), e.g. random weights."""
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None, decoder_layer=None):
+        """Loads `config.model`, or runs the given model (and tokenizer), e.g. random weights;
+        `decoder_layer`: a class that runs each layer instead (LlamaModel.with_decoder_layer)."""
         self.config = config
         self.device = config.resolved_device()
         check_device(config.device, self.device)
@@ -128,6 +129,11 @@ class ModelRunner:
 
             self.executor = ParallelExecutor(config, model.config)   # starts the workers
             model = self.executor.distribute(model)   # rank 0's shard; its config has its heads
+        if decoder_layer is not None:
+            if self.executor is not None:
+                raise ValueError("a plugged-in decoder_layer runs on one device: its layer has no tensor- or "
+                                 "pipeline-parallel collectives (tensor_parallel_size and pipeline_parallel_size 1)")
+            model = model.with_decoder_layer(decoder_layer)   # a new model object: the caller's is unchanged
         if self.device.type == "cpu":
             kernels.prepack(model.matrices())   # oneDNN's blocked weight layout, made once
             keep_freed_memory()               # no page faults for every large temporary

@@ -22,6 +22,7 @@ With no capture active the cost is one `if` per point.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ class LlamaModel:
         self.lm_head = lm_head      # [vocab, hidden] (the embedding itself when tied)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.taps: dict | None = None
+        self.plugged_layers: list | None = None   # with_decoder_layer's: one object per layer
 
     # ---- forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -87,6 +89,8 @@ class LlamaModel:
         """Every layer of this model over the batch: (hidden, residual) in and out, residual
         None before the first layer. A pipeline stage (engine/parallel/pipeline.py) is a model of
         a few layers, and passes this pair on to the next stage."""
+        if self.plugged_layers is not None:
+            return self._plugged_decoder_layers(hidden, residual, positions, batch, kv_cache, kv_scales)
         cfg, b = self.config, batch.backend
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -99,6 +103,24 @@ class LlamaModel:
             x, residual = kernels.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual, backend=b)
             hidden = self.mlp(layer, x, b)
             self._tap(f"layers.{i}.mlp", hidden)
+        return hidden, residual
+
+    def with_decoder_layer(self, decoder_layer) -> "LlamaModel":
+        """This model, its layers run by `decoder_layer` (the plug-in point of exercise 15:
+        `LLMEngine(config, decoder_layer=DecoderLayer)`): a class built once per layer as
+        decoder_layer(config, weights) (weights: that layer's LayerWeights, the same tensors,
+        not copies) whose objects are called as layer(hidden, residual, positions, batch,
+        k_cache, v_cache, k_scales, v_scales) -> (hidden, residual), the body of the loop in
+        `decoder_layers`. A new model object: this one is unchanged. The layer hook points
+        ("layers.{i}...") are the plugged layer's to record, so they stay empty."""
+        model = copy.copy(self)
+        model.plugged_layers = [decoder_layer(self.config, weights) for weights in self.layers]
+        return model
+
+    def _plugged_decoder_layers(self, hidden, residual, positions, batch, kv_cache, kv_scales):
+        for i, layer in enumerate(self.plugged_layers):
+            scales = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            hidden, residual = layer(hidden, residual, positions, batch, kv_cache[i, 0], kv_cache[i, 1], *scales)
         return hidden, residual
 
     def final_logits(self, hidden, residual, batch: ForwardBatch) -> torch.Tensor:

@@ -271,6 +271,15 @@ SMOKE_CALLS = {
         lambda m: m.OutputText(m.IncrementalDetokenizer(_Bytes(), [0]), ["x"]).finish(),
         lambda m: _OutputTextOfSolution(m).add_token(1),
     ],
+    "ex15_decoder_layer": [
+        lambda m: _tiny_layer(m).mlp(torch.ones(2, 8)),
+        lambda m: _tiny_layer(m).attention(torch.ones(2, 8), *_tiny_layer_batch()),
+        lambda m: _tiny_layer(m)(torch.ones(2, 8), None, *_tiny_layer_batch()),
+    ],
+    "ex16_sampler": [
+        lambda m: m.filter_logits(torch.zeros(1, 4), torch.tensor([2]), torch.tensor([0.9]), torch.tensor([0.0])),
+        lambda m: m.Sampler(0)(torch.zeros(1, 4), [llmlab.SamplingParams()], [0], [0]),
+    ],
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [
@@ -313,6 +322,28 @@ def _manager_with_one_request(module):
 def _on_one_request(module, method: str):
     manager, request = _manager_with_one_request(module)
     return getattr(manager, method)(request)
+
+
+def _tiny_layer(module):
+    """The module's DecoderLayer over random weights: hidden 8, 2 heads of 4, 1 kv head."""
+    from llmlab.config import ModelConfig
+    from llmlab.model.llama import LlamaModel
+
+    config = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5, rope_theta=10000.0)
+    return module.DecoderLayer(config, LlamaModel.random(config, torch.float32, "cpu").layers[0])
+
+
+def _tiny_layer_batch():
+    """positions, a ForwardBatch of one 2-token prefill in block 0, k_cache, v_cache for _tiny_layer."""
+    from llmlab.model.llama import ForwardBatch
+
+    ints = lambda *v: torch.tensor(v, dtype=torch.int32)   # noqa: E731
+    batch = ForwardBatch(num_prefill_tokens=2, slot_mapping=torch.tensor([0, 1]), prefill_cu_seqlens_q=ints(0, 2),
+                         prefill_seq_lens=ints(2), prefill_block_tables=ints(0)[None], decode_seq_lens=ints(),
+                         decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+                         logits_indices=torch.tensor([1]), backend="torch")
+    return torch.arange(2), batch, torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
 
 
 class _Bytes:

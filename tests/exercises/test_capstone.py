@@ -1,7 +1,8 @@
 """The capstone: every engine-component exercise plugged into one engine at once (13: the
-block manager, 14: the detokenizer and the shown text), which must reproduce the default
-engine's greedy texts on the embedded model for a batch of mixed requests with preemption,
-prefix-cache hits and a stop string. `make grade` (grade.py) ends with its line.
+block manager, 14: the detokenizer and the shown text, 15: the decoder layer, 16: the
+sampler), which must reproduce the default engine's texts (greedy, and one seeded draw) on
+the embedded model for a batch of mixed requests with preemption, prefix-cache hits and a
+stop string. `make grade` (grade.py) ends with its line.
 
 Under --impl=exercises it is skipped ("to do") while any of those exercises is unwritten."""
 import pytest
@@ -11,7 +12,7 @@ from diagnose import fail
 from grading import SMOKE_CALLS, load
 import test_ex13_block_manager as ex13
 
-COMPONENTS = ["ex13_block_manager", "ex14_detokenizer"]   # the engine-component exercises so far
+COMPONENTS = ["ex13_block_manager", "ex14_detokenizer", "ex15_decoder_layer", "ex16_sampler"]   # the engine-component exercises so far
 
 
 @pytest.mark.slow
@@ -32,15 +33,19 @@ def test_capstone(impl, llm):
                                      swap_space=0.01, preemption_mode="swap", enable_prefix_caching=True,
                                      async_scheduling=False)
         engine = llmlab.LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer, **plugged)
-        greedy = [llmlab.SamplingParams(max_tokens=8, temperature=0.0, stop=["answer is"] if i == 3 else [])
+        # greedy, but for one seeded draw (llmlab defines its noise, so it is exact too)
+        params = [llmlab.SamplingParams(max_tokens=8, temperature=0.8 if i == 2 else 0.0, seed=5,
+                                        stop=["answer is"] if i == 3 else [])
                   for i in range(len(prompts))]
-        outputs = llmlab.LLM.from_engine(engine).generate(prompts, greedy)
+        outputs = llmlab.LLM.from_engine(engine).generate(prompts, params)
         return engine, [(o.text, o.finish_reason) for o in outputs]
 
     _, expected = run()
     engine, actual = run(block_manager=modules["ex13_block_manager"].BlockManager,
                          detokenizer=modules["ex14_detokenizer"].IncrementalDetokenizer,
-                         output_text=modules["ex14_detokenizer"].OutputText)
+                         output_text=modules["ex14_detokenizer"].OutputText,
+                         decoder_layer=modules["ex15_decoder_layer"].DecoderLayer,
+                         sampler=modules["ex16_sampler"].Sampler)
     if actual != expected:
         fail("capstone: the engine on all your components", [
             f"texts and finish reasons {actual!r}, expected {expected!r}",

@@ -11,12 +11,17 @@ import inspect
 import types
 
 import pytest
+import torch
 
 import test_ex09_block_allocator as ex09
 import test_ex12_quantized_store_kv as ex12
 import test_ex13_block_manager as ex13
 import test_ex14_detokenizer as ex14
+import test_ex15_decoder_layer as ex15
+import test_ex16_sampler as ex16
 from grading import load
+from llmlab import kernels
+from llmlab.kernels import reference
 
 
 # ---- exercise 09: three allocators with one bug each -----------------------------------------------
@@ -270,3 +275,171 @@ def test_exercise_14_never_fails_with_a_bare_assert():
 def test_exercise_14_end_to_end_catches_a_leaked_stop_string(llm):
     with pytest.raises(pytest.fail.Exception, match=r"the engine with your classes"):
         ex14.test_end_to_end(planted_text_module(PLANTED_14["a stop string leaked across tokens"][0]), llm)
+
+
+# ---- exercise 15: keys stored before rope, gate and up swapped, the residual dropped -----------------
+def layer_module(**methods):
+    """exercise 15's API: the solution's DecoderLayer with `methods` replaced."""
+    solution = load("solutions", "ex15_decoder_layer")
+    return types.SimpleNamespace(DecoderLayer=type("Planted", (solution.DecoderLayer,), methods))
+
+
+def store_before_rope(self, x, positions, batch, k_cache, v_cache, k_scales=None, v_scales=None):
+    cfg, w, b = self.config, self.weights, batch.backend
+    T, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = kernels.linear(x, w.qkv, w.qkv_bias, backend=b).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+    kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, backend=b)   # the bug: k stored unrotated
+    q, k = kernels.rope(q, k, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)
+    out = kernels.prefill_attention(q, k_cache, v_cache, batch.prefill_block_tables, batch.prefill_cu_seqlens_q,
+                                    batch.prefill_seq_lens, self.scale, backend=b)
+    return kernels.linear(out.reshape(T, H * D), w.o_proj, backend=b)
+
+
+def gate_and_up_swapped(self, x, backend=None):
+    gate, up = kernels.linear(x, self.weights.gate_up, backend=backend).chunk(2, dim=-1)
+    return kernels.linear(torch.nn.functional.silu(up) * gate, self.weights.down, backend=backend)   # the bug
+
+
+def residual_dropped(self, hidden, residual, positions, batch, k_cache, v_cache, k_scales=None, v_scales=None):
+    cfg, w, b = self.config, self.weights, batch.backend
+    if residual is None:
+        x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, backend=b), hidden
+    else:
+        x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual, backend=b)
+    attn = self.attention(x, positions, batch, k_cache, v_cache)
+    x = kernels.rms_norm(attn, w.post_norm, cfg.rms_norm_eps, backend=b)   # the bug: attn never joins the residual
+    return self.mlp(x, b), residual
+
+
+PLANTED_15 = {
+    "keys stored before rope": (dict(attention=store_before_rope), ex15.test_attention_of_one_prompt,
+                                r"case attention over one prompt.*: the cache holds the keys before rope\n"
+                                r"  -> store the keys after rope"),
+    "gate and up swapped": (dict(mlp=gate_and_up_swapped), ex15.test_mlp,
+                            r"case mlp of 5 rows: your mlp computes silu\(up\) \* gate\n"
+                            r"  -> weights.gate_up holds the gate rows first"),
+    "the attention output left out of the residual": (
+        dict(__call__=residual_dropped), ex15.test_layer_first,
+        r"case the whole layer .*residual None.*: the residual returned differs from HF.*\n"
+        r"  -> the residual after the layer is x \+ the attention block's output"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_15))
+def test_exercise_15_names_the_planted_mistake(planted, llm):
+    methods, test, message = PLANTED_15[planted]
+    setup = ex15.layer_setup(llm)
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(layer_module(**methods), setup)
+
+
+def test_exercise_15_never_fails_with_a_bare_assert(llm):
+    setup = ex15.layer_setup(llm)
+    tests = [ex15.test_mlp, ex15.test_attention_of_one_prompt, ex15.test_attention_chunks_and_decodes,
+             ex15.test_layer_first, ex15.test_layer_after_another]
+    for planted, (methods, _, _) in PLANTED_15.items():
+        for test in tests:
+            try:
+                test(layer_module(**methods), setup)
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+# ---- exercise 16: a draw that depends on the batch, top-p before top-k, temperature on greedy rows ---
+def sampler_module(filter_logits=None, call=None):
+    """exercise 16's API: the solution's filter_logits and Sampler, one of them replaced."""
+    solution = load("solutions", "ex16_sampler")
+    sampler = solution.Sampler if call is None else type("Planted", (solution.Sampler,), {"__call__": call})
+    return types.SimpleNamespace(filter_logits=filter_logits or solution.filter_logits, Sampler=sampler)
+
+
+def noise_from_one_generator(self, logits, params, seeds, positions):
+    solution = load("solutions", "ex16_sampler")
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    x = solution.filter_logits(logits.float() * (1.0 / temperature)[:, None], torch.tensor([p.top_k for p in params]),
+                               torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+    generator = torch.Generator().manual_seed(seeds[0])   # the bug: one generator for the whole batch
+    noise = -torch.log(-torch.log(torch.rand(x.shape, generator=generator).clamp(1e-9, 1 - 1e-9)))
+    drawn = (x + noise).argmax(dim=-1)
+    return torch.where(torch.tensor([p.greedy for p in params]), logits.argmax(dim=-1), drawn)
+
+
+def top_p_before_top_k(x, top_k, top_p, min_p):
+    V = x.shape[-1]
+    sorted_x = x.sort(dim=-1, descending=True).values
+    probs = sorted_x.softmax(dim=-1)                     # the bug: top-p over the whole row, then top-k
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+    cut = sorted_x.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    k = torch.where((top_k <= 0) | (top_k > V), V, top_k).long()
+    cut = torch.maximum(cut, sorted_x.gather(1, k[:, None] - 1))
+    cut = torch.maximum(cut, sorted_x[:, :1] + torch.log(min_p[:, None]))
+    return x.masked_fill(x < cut, float("-inf"))
+
+
+def temperature_on_greedy_rows(self, logits, params, seeds, positions):
+    solution = load("solutions", "ex16_sampler")
+    temperature = torch.tensor([p.temperature for p in params])
+    x = logits.float() / temperature[:, None]            # the bug: greedy rows divided by 0 too
+    x = solution.filter_logits(x, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                               torch.tensor([p.min_p for p in params]))
+    keys = reference.row_keys(torch.tensor(seeds), torch.tensor(positions))
+    drawn = (x + reference.gumbel_noise(keys[:, None], torch.arange(x.shape[-1])[None, :])).argmax(dim=-1)
+    return torch.where(torch.tensor([p.greedy for p in params]), x.argmax(dim=-1), drawn)
+
+
+PLANTED_16 = {
+    "a seeded draw that depends on batch order": (
+        dict(call=noise_from_one_generator), ex16.test_a_seeded_draw_does_not_depend_on_the_batch,
+        r"case 6 seeded rows drawn in one batch.*\n  -> a seeded draw depends on the batch"),
+    "top-k applied after top-p": (
+        dict(filter_logits=top_p_before_top_k), ex16.test_top_k_then_top_p_over_the_survivors,
+        r"case top_k 2 and top_p 0.5 .*: kept tokens \[\[1, 3\]\], expected \[\[1\]\]\n"
+        r"  -> top-k first, then top-p over the top-k survivors"),
+    "temperature applied to greedy rows": (
+        dict(call=temperature_on_greedy_rows), ex16.test_greedy_rows,
+        r"case a batch of greedy rows.*: greedy rows \[.*\] took tokens .*\n"
+        r"  -> a greedy row .* takes the argmax of its raw logits: do not divide it by its temperature"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_16))
+def test_exercise_16_names_the_planted_mistake(planted):
+    spec, test, message = PLANTED_16[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(sampler_module(**spec))
+
+
+def test_exercise_16_never_fails_with_a_bare_assert():
+    tests = [f for name, f in vars(ex16).items() if name.startswith("test_") and name not in
+             ("test_end_to_end", "test_the_draws_follow_the_distribution")]
+    for planted, (spec, _, _) in PLANTED_16.items():
+        for test in tests:
+            try:
+                test(sampler_module(**spec))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+def test_exercise_16_chi_square_catches_a_wrong_distribution():
+    """A sampler that multiplies the logits by the temperature instead of dividing draws from
+    another distribution: the chi-square case fails it; the solution passes the same case."""
+    solution = load("solutions", "ex16_sampler")
+
+    def times_the_temperature(self, logits, params, seeds, positions):
+        temperature = torch.tensor([p.temperature for p in params])
+        x = solution.filter_logits(logits.float() * temperature[:, None],   # the bug: x * T, not x / T
+                                   torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                                   torch.tensor([p.min_p for p in params]))
+        keys = reference.row_keys(torch.tensor(seeds), torch.tensor(positions))
+        return (x + reference.gumbel_noise(keys[:, None], torch.arange(x.shape[-1])[None, :])).argmax(dim=-1)
+
+    params = ex16.SamplingParams(temperature=0.7)
+    ex16.test_the_draws_follow_the_distribution(sampler_module(), params)
+    with pytest.raises(pytest.fail.Exception, match=r"are not the distribution .*chi-square p-value"):
+        ex16.test_the_draws_follow_the_distribution(sampler_module(call=times_the_temperature), params)
