@@ -22,6 +22,7 @@ from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor, OutputText
 from llmlab.engine.warm_up import warm_up
+from llmlab import preemption as preemption_functions
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
@@ -47,12 +48,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs, block_manager=BlockManager,
-                 detokenizer=IncrementalDetokenizer, output_text=OutputText):
+                 detokenizer=IncrementalDetokenizer, output_text=OutputText, scheduler=Scheduler,
+                 preemption=preemption_functions):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights).
         The plug-in points (the exercises' components run here): `block_manager`, a class with
         BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
         IncrementalDetokenizer's and OutputText's (the output processor builds one of each
-        per request). `policy` is the scheduler's (policies.py)."""
+        per request); `scheduler`, a class with Scheduler's constructor and methods; `preemption`,
+        a module or object with preemption.py's functions (the scheduler calls them).
+        `policy` is the scheduler's (policies.py)."""
         self.config = config
         # load -> prepack -> memory profile -> KV cache: the runner's work
         self.runner = runner = ModelRunner(config, model, tokenizer)
@@ -61,7 +65,7 @@ class LLMEngine:
         self.block_manager = block_manager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
         eos = runner.eos_token_ids
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
+        self.scheduler = scheduler(config, self.block_manager, self.max_model_len, policy, eos, preemption)
         self.output = OutputProcessor(self.tokenizer, eos, detokenizer, output_text)
         self.sampler = Sampler(config.seed, self.backend)
         warm_up(runner, self.sampler, config)   # decode graphs, kernel variants, sampler graphs (GPU only)

@@ -1,7 +1,8 @@
 """The capstone: every engine-component exercise plugged into one engine at once (13: the
-block manager, 14: the detokenizer and the shown text), which must reproduce the default
-engine's greedy texts on the embedded model for a batch of mixed requests with preemption,
-prefix-cache hits and a stop string. `make grade` (grade.py) ends with its line.
+block manager, 14: the detokenizer and the shown text, 17: the scheduler's step, 18: the
+preemption functions), which must reproduce the default engine's greedy texts on the
+embedded model for a batch of mixed requests with preemption, prefix-cache hits and a stop
+string. `make grade` (grade.py) ends with its line.
 
 Under --impl=exercises it is skipped ("to do") while any of those exercises is unwritten."""
 import pytest
@@ -11,7 +12,8 @@ from diagnose import fail
 from grading import SMOKE_CALLS, load
 import test_ex13_block_manager as ex13
 
-COMPONENTS = ["ex13_block_manager", "ex14_detokenizer"]   # the engine-component exercises so far
+# the engine-component exercises so far
+COMPONENTS = ["ex13_block_manager", "ex14_detokenizer", "ex17_scheduler_step", "ex18_preemption"]
 
 
 @pytest.mark.slow
@@ -40,7 +42,9 @@ def test_capstone(impl, llm):
     _, expected = run()
     engine, actual = run(block_manager=modules["ex13_block_manager"].BlockManager,
                          detokenizer=modules["ex14_detokenizer"].IncrementalDetokenizer,
-                         output_text=modules["ex14_detokenizer"].OutputText)
+                         output_text=modules["ex14_detokenizer"].OutputText,
+                         scheduler=modules["ex17_scheduler_step"].Scheduler,
+                         preemption=modules["ex18_preemption"])
     if actual != expected:
         fail("capstone: the engine on all your components", [
             f"texts and finish reasons {actual!r}, expected {expected!r}",

@@ -16,7 +16,11 @@ import test_ex09_block_allocator as ex09
 import test_ex12_quantized_store_kv as ex12
 import test_ex13_block_manager as ex13
 import test_ex14_detokenizer as ex14
+import test_ex17_scheduler_step as ex17
+import test_ex18_preemption as ex18
 from grading import load
+from llmlab.plan import Plan
+from llmlab.request import RequestStatus
 
 
 # ---- exercise 09: three allocators with one bug each -----------------------------------------------
@@ -270,3 +274,193 @@ def test_exercise_14_never_fails_with_a_bare_assert():
 def test_exercise_14_end_to_end_catches_a_leaked_stop_string(llm):
     with pytest.raises(pytest.fail.Exception, match=r"the engine with your classes"):
         ex14.test_end_to_end(planted_text_module(PLANTED_14["a stop string leaked across tokens"][0]), llm)
+
+
+# ---- exercise 17: a decode starved, the budget exceeded by one, a chunk past the threshold ----------
+def scheduler_module(**methods):
+    """exercise 17's API: the solution's Scheduler with `methods` replaced."""
+    solution = load("solutions", "ex17_scheduler_step")
+    return types.SimpleNamespace(Scheduler=type("Planted", (solution.Scheduler,), methods))
+
+
+def prefills_before_decodes(self, now=None):
+    now = self.now() if now is None else now
+    plan = Plan()
+    self.running.sort(key=self.policy_key(now))
+    budget = self._schedule_running_prefills(plan, self.token_budget, now)   # the bug: prompts first,
+    budget = self._schedule_waiting(plan, budget, now)                      # decodes get what is left
+    self._schedule_decodes(plan, budget, now)
+    return plan
+
+
+def chunk_one_over_the_budget(self, request, budget, plan):
+    return load("solutions", "ex17_scheduler_step").Scheduler._schedule_prefill(self, request, budget + 1, plan)
+
+
+def chunk_ignoring_the_threshold(self, request, budget, plan):
+    chunk = min(request.num_uncomputed_tokens, budget)   # the bug: no long_prefill_token_threshold
+    room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
+    chunk = min(chunk, room - request.num_computed_tokens)
+    if chunk <= 0:
+        return 0
+    self._allocate(request, request.num_computed_tokens + chunk, plan)
+    from llmlab.plan import ScheduledItem
+    plan.prefills.append(ScheduledItem(request, "prefill", chunk, request.num_computed_tokens))
+    return chunk
+
+
+PLANTED_17 = {
+    "a decode starved by prefills": (
+        dict(schedule=prefills_before_decodes), ex17.test_decodes_are_never_starved,
+        r"case two decoding requests, then a long prompt arrives.*: step 2: request\(s\) \['r0', 'r1'\] were "
+        r"decoding but got no token.*\n  -> a decode was starved by prefills"),
+    "the token budget exceeded by one": (
+        dict(_schedule_prefill=chunk_one_over_the_budget), ex17.test_budget_edge,
+        r"case two prompts one token over the budget.*: step 0: the plan has 17 tokens, 1 over the token budget "
+        r"of 16.*\n  -> the token budget was exceeded"),
+    "a chunk that ignores the threshold": (
+        dict(_schedule_prefill=chunk_ignoring_the_threshold), ex17.test_long_prefill_token_threshold,
+        r"case two long prompts under long_prefill_token_threshold.*: step 0: prompt chunk\(s\) \(id, tokens\) "
+        r"\[\('r0', 10\).*longer than long_prefill_token_threshold = 4\n  -> a chunk ignored the threshold"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_17))
+def test_exercise_17_names_the_planted_mistake(planted):
+    methods, test, message = PLANTED_17[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(scheduler_module(**methods))
+
+
+def unit_tests(module, params: dict) -> list:
+    """Every test of a grader module but the engine's, each as a callable of the module under test."""
+    return [(lambda ex, f=f, p=params.get(name, ()): f(ex, *p)) for name, f in vars(module).items()
+            if name.startswith("test_") and name != "test_end_to_end"]
+
+
+PARAMS_17 = {"test_preemption_when_out_of_blocks": ("swap",), "test_random_workloads": (0,)}
+
+
+def test_exercise_17_never_fails_with_a_bare_assert():
+    for planted, (methods, _, _) in PLANTED_17.items():
+        for test in unit_tests(ex17, PARAMS_17):
+            try:
+                test(scheduler_module(**methods))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"a test with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_17_end_to_end_catches_a_starved_decode(llm):
+    with pytest.raises(pytest.fail.Exception, match=r"the engine on your Scheduler"):
+        ex17.test_end_to_end(scheduler_module(schedule=prefills_before_decodes), llm)
+
+
+# ---- exercise 18: a block not freed on recompute, swap-in without the CPU blocks, the wrong victim --
+def preemption_module(**functions):
+    """exercise 18's API: the solution's functions, `functions` replacing some; the solution's
+    make_room and preempt_for call the module's preempt (as a student's own functions call each other)."""
+    solution = load("solutions", "ex18_preemption")
+    module = types.ModuleType("planted_ex18")
+    module.__dict__.update({name: getattr(solution, name) for name in
+                            ("choose_victim", "preempt_for", "make_room", "preempt", "swap_in")})
+    module.__dict__.update(functions)
+    for name in ("make_room", "preempt_for"):
+        if name not in functions:   # rebind the solution's to the planted module's functions
+            module.__dict__[name] = types.FunctionType(getattr(solution, name).__code__, module.__dict__, name)
+    return module
+
+
+def preempt_keeping_the_blocks(scheduler, request, plan):
+    scheduler.running.remove(request)
+    for items in (plan.prefills, plan.decodes):
+        items[:] = [item for item in items if item.request is not request]
+    request.num_preemptions += 1
+    if scheduler.config.preemption_mode == "swap" and scheduler.blocks.can_swap_out(request):
+        plan.swap_out_copies += scheduler.blocks.swap_out(request)
+        plan.swapped_out.append(request.request_id)
+        request.status = RequestStatus.SWAPPED
+        scheduler.swapped.append(request)
+    else:
+        request.num_computed_tokens = 0                  # the bug: blocks.free(request) forgotten
+        plan.preempted.append(request.request_id)
+        request.status = RequestStatus.WAITING
+        scheduler.waiting.append(request)
+
+
+def swap_in_forgetting_the_host_blocks(scheduler, request, plan):
+    scheduler.swapped.remove(request)
+    request.num_computed_tokens = 0                      # the bug: fresh blocks, recomputed; the host
+    scheduler.blocks.allocate(request, 1)                # blocks are never copied back nor freed
+    plan.swapped_in.append(request.request_id)
+    request.status = RequestStatus.RUNNING
+    scheduler.running.append(request)
+
+
+def make_room_from_the_front(scheduler, request, num_tokens, plan, now):
+    blocks = scheduler.blocks
+    while blocks.blocks_needed(request, num_tokens) > blocks.num_free_blocks:
+        victim = scheduler.running[0]                    # the bug: the most important request goes
+        preempt_of_the_solution(scheduler, victim, plan)
+        if victim is request:
+            return False
+    return True
+
+
+def preempt_of_the_solution(scheduler, request, plan):
+    load("solutions", "ex18_preemption").preempt(scheduler, request, plan)
+
+
+PLANTED_18 = {
+    "a block not freed on recompute": (
+        dict(preempt=preempt_keeping_the_blocks), ex18.test_preempt_by_recompute_frees_every_block,
+        r"case preempt a running request of 2 blocks by recompute.*: after preempt: its table \[\d+, \d+\], 0 of "
+        r"6 blocks free\n  -> a block not freed on recompute"),
+    "swap-in that forgets the CPU blocks": (
+        dict(swap_in=swap_in_forgetting_the_host_blocks), ex18.test_swap_out_and_back_in,
+        r"case preempt a running request of 2 blocks by swap, then swap it back in: plan.swap_in_copies \[\].*"
+        r"6 of 8 host blocks free\n  -> swap_in forgot the CPU blocks"),
+    "a victim chosen from the wrong end": (
+        dict(make_room=make_room_from_the_front), ex18.test_make_room_preempts_from_the_right_end,
+        r"case make room for one more block for the first of 3 running requests.*: preempted \['r0'.*\n  -> a "
+        r"victim chosen from the wrong end"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_18))
+def test_exercise_18_names_the_planted_mistake(planted):
+    functions, test, message = PLANTED_18[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(preemption_module(**functions))
+
+
+PARAMS_18 = {"test_out_of_blocks": ("swap",), "test_random_workloads": (0,)}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_18))
+def test_exercise_18_lockstep_catches_the_planted_mistake(planted):
+    """The scripted out-of-blocks runs catch each mistake too, with the same message."""
+    functions, _, message = PLANTED_18[planted]
+    hint = message.split("-> ")[-1]
+    mode = "swap" if "swap" in planted else "recompute"
+    with pytest.raises(pytest.fail.Exception, match=hint):
+        ex18.test_out_of_blocks(preemption_module(**functions), mode)
+
+
+def test_exercise_18_never_fails_with_a_bare_assert():
+    for planted, (functions, _, _) in PLANTED_18.items():
+        for test in unit_tests(ex18, PARAMS_18):
+            try:
+                test(preemption_module(**functions))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"a test with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_18_end_to_end_catches_a_block_not_freed(llm):
+    with pytest.raises(pytest.fail.Exception, match=r"the engine with your preemption functions"):
+        ex18.test_end_to_end(preemption_module(preempt=preempt_keeping_the_blocks), llm, "recompute")
