@@ -279,6 +279,7 @@ SMOKE_CALLS = {
         lambda m: m.preempt(*_full_scheduler(m, "recompute")[:2], Plan()),
         lambda m: _swapped_back_in(m),
     ],
+    "ex19_chat_endpoint": [lambda m: m.build_app(None)],   # builds the app only: the engine is not touched
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [

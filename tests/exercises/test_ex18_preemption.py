@@ -130,14 +130,19 @@ def test_random_workloads(ex, seed):
 @pytest.mark.slow   # the 30-layer model, three engine runs
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_end_to_end(ex, llm, preemption_mode):
-    _, expected, _ = engine_texts(llm, 64, preemption_mode)     # 64 blocks: nobody is preempted
-    engine, actual, preemptions = engine_texts(llm, 7, preemption_mode, preemption=ex)
     case = f"the engine with your preemption functions (7 blocks, preemption by {preemption_mode})"
+    _, expected, _ = engine_texts(llm, 64, preemption_mode)     # 64 blocks: nobody is preempted
+    _, _, llmlab_preemptions = engine_texts(llm, 7, preemption_mode)
+    engine, actual, preemptions = engine_texts(llm, 7, preemption_mode, case=case, preemption=ex)
     differ = [i for i, (a, e) in enumerate(zip(actual, expected)) if a != e]
     expect(not differ, case, f"prompts {differ} generate {[llm.tokenizer.decode(actual[i]) for i in differ]!r}, "
                              f"without preemption {[llm.tokenizer.decode(expected[i]) for i in differ]!r}",
            "a preempted request lost K/V: recompute sets num_computed_tokens = 0; swap puts every copy in the plan")
-    expect(preemptions > 0, case, "no request was preempted", "make_room preempts when blocks run out")
+    expect(preemptions == llmlab_preemptions, case,
+           f"{preemptions} preemptions, llmlab's functions preempt {llmlab_preemptions} times in the same run",
+           "more preemptions than needed: a preempted request's blocks did not come back (a block not freed on "
+           "recompute), so make_room went on preempting; or it preempted before blocks ran out"
+           if preemptions > llmlab_preemptions else "make_room preempts (one victim at a time) until the request fits")
     bm = engine.block_manager
     expect(bm.num_free_blocks == bm.num_device_blocks and bm.num_free_host_blocks == bm.num_host_blocks, case,
            f"after every request finished: {bm.num_free_blocks} of {bm.num_device_blocks} device blocks and "

@@ -18,6 +18,7 @@ import test_ex13_block_manager as ex13
 import test_ex14_detokenizer as ex14
 import test_ex17_scheduler_step as ex17
 import test_ex18_preemption as ex18
+import test_ex19_chat_endpoint as ex19
 from grading import load
 from llmlab.plan import Plan
 from llmlab.request import RequestStatus
@@ -288,7 +289,9 @@ def prefills_before_decodes(self, now=None):
     plan = Plan()
     self.running.sort(key=self.policy_key(now))
     budget = self._schedule_running_prefills(plan, self.token_budget, now)   # the bug: prompts first,
-    budget = self._schedule_waiting(plan, budget, now)                      # decodes get what is left
+    if not (plan.preempted or plan.swapped_out):                            # decodes get what is left
+        budget = self._schedule_swapped(plan, budget, now)
+        budget = self._schedule_waiting(plan, budget, now)
     self._schedule_decodes(plan, budget, now)
     return plan
 
@@ -350,12 +353,6 @@ def test_exercise_17_never_fails_with_a_bare_assert():
                 assert str(report).startswith("case "), str(report)
             except Exception as error:   # noqa: BLE001 -- a crash is no report either
                 pytest.fail(f"a test with {planted} planted: {type(error).__name__} ({error})")
-
-
-@pytest.mark.slow
-def test_exercise_17_end_to_end_catches_a_starved_decode(llm):
-    with pytest.raises(pytest.fail.Exception, match=r"the engine on your Scheduler"):
-        ex17.test_end_to_end(scheduler_module(schedule=prefills_before_decodes), llm)
 
 
 # ---- exercise 18: a block not freed on recompute, swap-in without the CPU blocks, the wrong victim --
@@ -464,3 +461,47 @@ def test_exercise_18_never_fails_with_a_bare_assert():
 def test_exercise_18_end_to_end_catches_a_block_not_freed(llm):
     with pytest.raises(pytest.fail.Exception, match=r"the engine with your preemption functions"):
         ex18.test_end_to_end(preemption_module(preempt=preempt_keeping_the_blocks), llm, "recompute")
+
+
+# ---- exercise 19: a stream without [DONE], the whole text in every chunk, a disconnect not aborted --
+def endpoint_module(old: str, new: str):
+    """exercise 19's API: the solution's module with one piece of its source replaced."""
+    solution = load("solutions", "ex19_chat_endpoint")
+    source = inspect.getsource(solution)
+    assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+    module = types.ModuleType("planted_ex19")
+    exec(compile(source.replace(old, new), "planted_ex19", "exec"), module.__dict__)
+    return module
+
+
+PLANTED_19 = {
+    "an SSE stream without [DONE]": (
+        ('            yield "data: [DONE]\\n\\n"\n', ""),                       # the bug: no [DONE] line
+        lambda served, llm: ex19.test_stream_ends_with_done(served),
+        r"case a streamed chat completion, read as raw server-sent events: the stream's last event is 'data: \{.*"
+        r"\n  -> an SSE stream without \[DONE\]"),
+    "a stream that repeats the whole text": (
+        ('{"content": output.delta_text} if output.delta_text', '{"content": output.text} if output.delta_text'),
+        lambda served, llm: ex19.test_streamed(served, ex19.greedy_answer(llm)),
+        r"case a chat completion, streamed .*: the deltas add up to .*\n  -> a stream that repeats the whole text in "
+        r"each chunk instead of the delta"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_19))
+def test_exercise_19_names_the_planted_mistake(planted, llm):
+    (old, new), test, message = PLANTED_19[planted]
+    with ex19.serving(endpoint_module(old, new), llm) as served:
+        with pytest.raises(pytest.fail.Exception, match=message):
+            test(served, llm)
+
+
+@pytest.mark.slow   # waits out the grader's 20 s for an abort that never comes
+def test_exercise_19_catches_a_disconnect_that_does_not_abort(llm):
+    old = ("        finally:\n            # also when the client hung up and Starlette cancelled this generator: abort "
+           "the\n            # request, so that its KV blocks come back at once\n            group.close()\n")
+    new = "        finally:\n            pass                   # the bug: the request runs on\n"
+    with ex19.serving(endpoint_module(old, new), llm) as (url, async_engine):
+        with pytest.raises(pytest.fail.Exception, match=r"case a client that hangs up .*\n  -> a disconnect that "
+                                                        r"does not abort"):
+            ex19.check_disconnect_aborts(url, async_engine, timeout=10.0)
