@@ -37,11 +37,13 @@ PENDING_TOKEN = -1
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 policy=fcfs, eos_token_ids=()):
+                 policy=fcfs, eos_token_ids=(), preemption=preemption):
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             # a config no engine sized (tests, the simulator): the same rule, for this cache
             config, _ = sizing.resolve(config, block_manager.num_device_blocks)
         self.config = config
+        # preemption bookkeeping: a module or object with preemption.py's functions (a plug-in point)
+        self.preemption = preemption
         self.blocks = block_manager
         self.policy: SchedulingPolicy = resolve_policy(policy)   # a name, an object or a key function
         self.max_model_len = max_model_len
@@ -187,7 +189,7 @@ class Scheduler:
                 continue    # its token in flight is its last: resolve() finishes it
             if budget < 1:
                 break
-            if not preemption.make_room(self, request, request.num_tokens, plan, now):
+            if not self.preemption.make_room(self, request, request.num_tokens, plan, now):
                 continue    # the request itself was preempted
             self._allocate(request, request.num_tokens, plan)
             plan.decodes.append(ScheduledItem(request, "decode", 1, request.num_computed_tokens))
@@ -202,7 +204,7 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or not request.is_prefilling or budget <= 0:
                 continue
-            if preemption.make_room(self, request, request.num_computed_tokens + 1, plan, now):
+            if self.preemption.make_room(self, request, request.num_computed_tokens + 1, plan, now):
                 budget -= self._schedule_prefill(request, budget, plan)
         return budget
 
@@ -214,7 +216,7 @@ class Scheduler:
             request = self.swapped[0]
             if len(self.blocks.host_tables[request.request_id]) + 1 > self.blocks.num_free_blocks:
                 break
-            preemption.swap_in(self, request, plan)
+            self.preemption.swap_in(self, request, plan)
             if request.is_prefilling:
                 budget -= self._schedule_prefill(request, budget, plan)
             else:
@@ -240,7 +242,7 @@ class Scheduler:
                 i += 1
                 continue
             if len(self.running) >= self.config.max_num_seqs:
-                given_back = preemption.preempt_for(self, request, plan, now)
+                given_back = self.preemption.preempt_for(self, request, plan, now)
                 if given_back is None:
                     break
                 budget += given_back
@@ -260,7 +262,7 @@ class Scheduler:
                 self.blocks.free(request)    # give back any shared prefix blocks
                 request.num_computed_tokens = 0
                 plan.prefix_hit_tokens.pop(request.request_id, None)
-                given_back = preemption.preempt_for(self, request, plan, now)
+                given_back = self.preemption.preempt_for(self, request, plan, now)
                 if given_back is None:
                     break
                 budget += given_back

@@ -22,6 +22,7 @@ from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor, OutputText
 from llmlab.engine.warm_up import warm_up
+from llmlab import preemption as preemption_functions
 from llmlab.hooks import HookBus, RequestAdded, RequestFinished, step_record
 from llmlab import kernels
 from llmlab.model.llama import LlamaModel
@@ -49,14 +50,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs, block_manager=BlockManager,
                  detokenizer=IncrementalDetokenizer, output_text=OutputText, decoder_layer=None,
-                 sampler=Sampler):
+                 sampler=Sampler, scheduler=Scheduler, preemption=preemption_functions):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights).
         The plug-in points (the exercises' components run here): `block_manager`, a class with
         BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
         IncrementalDetokenizer's and OutputText's (the output processor builds one of each
         per request); `decoder_layer`, a class that runs each layer of the model in place of
         LlamaModel's own loop body (LlamaModel.with_decoder_layer; None: the model's own);
-        `sampler`, a class with Sampler's constructor (seed, backend) and methods.
+        `sampler`, a class with Sampler's constructor (seed, backend) and methods;
+        `scheduler`, a class with Scheduler's constructor and methods; `preemption`, a module or
+        object with preemption.py's functions (the scheduler calls them).
         `policy` is the scheduler's (policies.py)."""
         # load -> prepack -> memory profile -> KV cache: the runner's work; its config has the
         # sizes that were left None chosen for this device and cache (sizing.py)
@@ -67,7 +70,7 @@ class LLMEngine:
         self.block_manager = block_manager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
                                           config.enable_prefix_caching)
         eos = runner.eos_token_ids
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, policy, eos)
+        self.scheduler = scheduler(config, self.block_manager, self.max_model_len, policy, eos, preemption)
         self.output = OutputProcessor(self.tokenizer, eos, detokenizer, output_text)
         self.sampler = sampler(config.seed, self.backend)
         warm_up(runner, self.sampler, config)   # decode graphs, kernel variants, sampler graphs (GPU only)

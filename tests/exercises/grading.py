@@ -13,8 +13,10 @@ import sys
 import torch
 
 import llmlab
-from llmlab import kernels
+from llmlab import kernels, preemption
 from llmlab.kernels import reference
+from llmlab.plan import Plan
+from llmlab.scheduler import Scheduler
 
 from diagnose import check_attention, check_same_text, fail
 from helpers import kernels as kernel_inputs
@@ -280,6 +282,13 @@ SMOKE_CALLS = {
         lambda m: m.filter_logits(torch.zeros(1, 4), torch.tensor([2]), torch.tensor([0.9]), torch.tensor([0.0])),
         lambda m: m.Sampler(0)(torch.zeros(1, 4), [llmlab.SamplingParams()], [0], [0]),
     ],
+    "ex17_scheduler_step": [lambda m: _scheduler(m.Scheduler, preemption).schedule(now=0.0)],
+    "ex18_preemption": [
+        lambda m: m.make_room(*_full_scheduler(m, "recompute"), 1.0),
+        lambda m: m.preempt(*_full_scheduler(m, "recompute")[:2], Plan()),
+        lambda m: _swapped_back_in(m),
+    ],
+    "ex19_chat_endpoint": [lambda m: m.build_app(None)],   # builds the app only: the engine is not touched
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [
@@ -344,6 +353,34 @@ def _tiny_layer_batch():
                          decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
                          logits_indices=torch.tensor([1]), backend="torch")
     return torch.arange(2), batch, torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
+
+
+def _scheduler(scheduler_class, preemption_functions, mode="recompute"):
+    """A scheduler over 2 blocks of 4 tokens with one waiting request of 5 tokens."""
+    from llmlab.cache.block_manager import BlockManager
+
+    config = llmlab.EngineConfig(block_size=4, max_num_batched_tokens=16, preemption_mode=mode,
+                                 enable_prefix_caching=False)
+    scheduler = scheduler_class(config, BlockManager(2, 2, 4, False), 64, llmlab.policies.fcfs, (),
+                                preemption_functions)
+    scheduler.add(_request(5))
+    return scheduler
+
+
+def _full_scheduler(module, mode):
+    """(llmlab's scheduler with `module`'s preemption, its one running request holding both
+    blocks, the request, a Plan): the arguments of preempt / make_room for one more block."""
+    scheduler = _scheduler(Scheduler, module, mode)
+    scheduler.update(scheduler.schedule(now=0.0), [7])
+    request = scheduler.running[0]
+    return scheduler, request, request.num_tokens + 4, Plan()
+
+
+def _swapped_back_in(module):
+    """swap_in of a request llmlab's preemption swapped out."""
+    scheduler, request, _, plan = _full_scheduler(preemption, "swap")
+    preemption.preempt(scheduler, request, plan)
+    return module.swap_in(scheduler, request, Plan())
 
 
 class _Bytes:

@@ -1,8 +1,10 @@
 """The capstone: every engine-component exercise plugged into one engine at once (13: the
 block manager, 14: the detokenizer and the shown text, 15: the decoder layer, 16: the
-sampler), which must reproduce the default engine's texts (greedy, and one seeded draw) on
-the embedded model for a batch of mixed requests with preemption, prefix-cache hits and a
-stop string. `make grade` (grade.py) ends with its line.
+sampler, 17: the scheduler's step, 18: the preemption functions), which must reproduce the
+default engine's texts (greedy, and one seeded draw) on the embedded model for a batch of
+mixed requests with preemption, prefix-cache hits and a stop string; then the student's chat
+endpoint (19) serves that engine to the `openai` client. `make grade` (grade.py) ends with
+its line.
 
 Under --impl=exercises it is skipped ("to do") while any of those exercises is unwritten."""
 import pytest
@@ -11,8 +13,11 @@ import llmlab
 from diagnose import fail
 from grading import SMOKE_CALLS, load
 import test_ex13_block_manager as ex13
+import test_ex19_chat_endpoint as ex19
 
-COMPONENTS = ["ex13_block_manager", "ex14_detokenizer", "ex15_decoder_layer", "ex16_sampler"]   # the engine-component exercises so far
+# the engine-component exercises so far
+COMPONENTS = ["ex13_block_manager", "ex14_detokenizer", "ex15_decoder_layer", "ex16_sampler",
+              "ex17_scheduler_step", "ex18_preemption", "ex19_chat_endpoint"]
 
 
 @pytest.mark.slow
@@ -45,10 +50,20 @@ def test_capstone(impl, llm):
                          detokenizer=modules["ex14_detokenizer"].IncrementalDetokenizer,
                          output_text=modules["ex14_detokenizer"].OutputText,
                          decoder_layer=modules["ex15_decoder_layer"].DecoderLayer,
-                         sampler=modules["ex16_sampler"].Sampler)
+                         sampler=modules["ex16_sampler"].Sampler,
+                         scheduler=modules["ex17_scheduler_step"].Scheduler,
+                         preemption=modules["ex18_preemption"])
     if actual != expected:
         fail("capstone: the engine on all your components", [
             f"texts and finish reasons {actual!r}, expected {expected!r}",
             "-> grade each component on its own first (make grade EX=ex13 ...): its cases name the mistake"])
     if engine.block_manager.prefix_hits == 0:
         fail("capstone: the engine on all your components", ["no prefix-cache hit", "-> see ex13"])
+    want = ex19.greedy_answer(llm)
+    with ex19.serving(modules["ex19_chat_endpoint"], llm, engine) as (url, _):
+        answer = ex19.client(url).chat.completions.create(model=ex19.MODEL, messages=ex19.MESSAGES,
+                                                          max_tokens=ex19.MAX_TOKENS, temperature=0.0)
+    if answer.choices[0].message.content != want.text:
+        fail("capstone: your chat endpoint over the engine on all your components", [
+            f"the answer is {answer.choices[0].message.content!r}, LLM.chat's greedy text {want.text!r}",
+            "-> grade each component on its own first (make grade EX=ex19 ...)"])

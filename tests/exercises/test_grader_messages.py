@@ -19,9 +19,14 @@ import test_ex13_block_manager as ex13
 import test_ex14_detokenizer as ex14
 import test_ex15_decoder_layer as ex15
 import test_ex16_sampler as ex16
+import test_ex17_scheduler_step as ex17
+import test_ex18_preemption as ex18
+import test_ex19_chat_endpoint as ex19
 from grading import load
 from llmlab import kernels
 from llmlab.kernels import reference
+from llmlab.plan import Plan
+from llmlab.request import RequestStatus
 
 
 # ---- exercise 09: three allocators with one bug each -----------------------------------------------
@@ -443,3 +448,233 @@ def test_exercise_16_chi_square_catches_a_wrong_distribution():
     ex16.test_the_draws_follow_the_distribution(sampler_module(), params)
     with pytest.raises(pytest.fail.Exception, match=r"are not the distribution .*chi-square p-value"):
         ex16.test_the_draws_follow_the_distribution(sampler_module(call=times_the_temperature), params)
+
+
+# ---- exercise 17: a decode starved, the budget exceeded by one, a chunk past the threshold ----------
+def scheduler_module(**methods):
+    """exercise 17's API: the solution's Scheduler with `methods` replaced."""
+    solution = load("solutions", "ex17_scheduler_step")
+    return types.SimpleNamespace(Scheduler=type("Planted", (solution.Scheduler,), methods))
+
+
+def prefills_before_decodes(self, now=None):
+    now = self.now() if now is None else now
+    plan = Plan()
+    self.running.sort(key=self.policy_key(now))
+    budget = self._schedule_running_prefills(plan, self.token_budget, now)   # the bug: prompts first,
+    if not (plan.preempted or plan.swapped_out):                            # decodes get what is left
+        budget = self._schedule_swapped(plan, budget, now)
+        budget = self._schedule_waiting(plan, budget, now)
+    self._schedule_decodes(plan, budget, now)
+    return plan
+
+
+def chunk_one_over_the_budget(self, request, budget, plan):
+    return load("solutions", "ex17_scheduler_step").Scheduler._schedule_prefill(self, request, budget + 1, plan)
+
+
+def chunk_ignoring_the_threshold(self, request, budget, plan):
+    chunk = min(request.num_uncomputed_tokens, budget)   # the bug: no long_prefill_token_threshold
+    room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
+    chunk = min(chunk, room - request.num_computed_tokens)
+    if chunk <= 0:
+        return 0
+    self._allocate(request, request.num_computed_tokens + chunk, plan)
+    from llmlab.plan import ScheduledItem
+    plan.prefills.append(ScheduledItem(request, "prefill", chunk, request.num_computed_tokens))
+    return chunk
+
+
+PLANTED_17 = {
+    "a decode starved by prefills": (
+        dict(schedule=prefills_before_decodes), ex17.test_decodes_are_never_starved,
+        r"case two decoding requests, then a long prompt arrives.*: step 2: request\(s\) \['r0', 'r1'\] were "
+        r"decoding but got no token.*\n  -> a decode was starved by prefills"),
+    "the token budget exceeded by one": (
+        dict(_schedule_prefill=chunk_one_over_the_budget), ex17.test_budget_edge,
+        r"case two prompts one token over the budget.*: step 0: the plan has 17 tokens, 1 over the token budget "
+        r"of 16.*\n  -> the token budget was exceeded"),
+    "a chunk that ignores the threshold": (
+        dict(_schedule_prefill=chunk_ignoring_the_threshold), ex17.test_long_prefill_token_threshold,
+        r"case two long prompts under long_prefill_token_threshold.*: step 0: prompt chunk\(s\) \(id, tokens\) "
+        r"\[\('r0', 10\).*longer than long_prefill_token_threshold = 4\n  -> a chunk ignored the threshold"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_17))
+def test_exercise_17_names_the_planted_mistake(planted):
+    methods, test, message = PLANTED_17[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(scheduler_module(**methods))
+
+
+def unit_tests(module, params: dict) -> list:
+    """Every test of a grader module but the engine's, each as a callable of the module under test."""
+    return [(lambda ex, f=f, p=params.get(name, ()): f(ex, *p)) for name, f in vars(module).items()
+            if name.startswith("test_") and name != "test_end_to_end"]
+
+
+PARAMS_17 = {"test_preemption_when_out_of_blocks": ("swap",), "test_random_workloads": (0,)}
+
+
+def test_exercise_17_never_fails_with_a_bare_assert():
+    for planted, (methods, _, _) in PLANTED_17.items():
+        for test in unit_tests(ex17, PARAMS_17):
+            try:
+                test(scheduler_module(**methods))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"a test with {planted} planted: {type(error).__name__} ({error})")
+
+
+# ---- exercise 18: a block not freed on recompute, swap-in without the CPU blocks, the wrong victim --
+def preemption_module(**functions):
+    """exercise 18's API: the solution's functions, `functions` replacing some; the solution's
+    make_room and preempt_for call the module's preempt (as a student's own functions call each other)."""
+    solution = load("solutions", "ex18_preemption")
+    module = types.ModuleType("planted_ex18")
+    module.__dict__.update({name: getattr(solution, name) for name in
+                            ("choose_victim", "preempt_for", "make_room", "preempt", "swap_in")})
+    module.__dict__.update(functions)
+    for name in ("make_room", "preempt_for"):
+        if name not in functions:   # rebind the solution's to the planted module's functions
+            module.__dict__[name] = types.FunctionType(getattr(solution, name).__code__, module.__dict__, name)
+    return module
+
+
+def preempt_keeping_the_blocks(scheduler, request, plan):
+    scheduler.running.remove(request)
+    for items in (plan.prefills, plan.decodes):
+        items[:] = [item for item in items if item.request is not request]
+    request.num_preemptions += 1
+    if scheduler.config.preemption_mode == "swap" and scheduler.blocks.can_swap_out(request):
+        plan.swap_out_copies += scheduler.blocks.swap_out(request)
+        plan.swapped_out.append(request.request_id)
+        request.status = RequestStatus.SWAPPED
+        scheduler.swapped.append(request)
+    else:
+        request.num_computed_tokens = 0                  # the bug: blocks.free(request) forgotten
+        plan.preempted.append(request.request_id)
+        request.status = RequestStatus.WAITING
+        scheduler.waiting.append(request)
+
+
+def swap_in_forgetting_the_host_blocks(scheduler, request, plan):
+    scheduler.swapped.remove(request)
+    request.num_computed_tokens = 0                      # the bug: fresh blocks, recomputed; the host
+    scheduler.blocks.allocate(request, 1)                # blocks are never copied back nor freed
+    plan.swapped_in.append(request.request_id)
+    request.status = RequestStatus.RUNNING
+    scheduler.running.append(request)
+
+
+def make_room_from_the_front(scheduler, request, num_tokens, plan, now):
+    blocks = scheduler.blocks
+    while blocks.blocks_needed(request, num_tokens) > blocks.num_free_blocks:
+        victim = scheduler.running[0]                    # the bug: the most important request goes
+        preempt_of_the_solution(scheduler, victim, plan)
+        if victim is request:
+            return False
+    return True
+
+
+def preempt_of_the_solution(scheduler, request, plan):
+    load("solutions", "ex18_preemption").preempt(scheduler, request, plan)
+
+
+PLANTED_18 = {
+    "a block not freed on recompute": (
+        dict(preempt=preempt_keeping_the_blocks), ex18.test_preempt_by_recompute_frees_every_block,
+        r"case preempt a running request of 2 blocks by recompute.*: after preempt: its table \[\d+, \d+\], 0 of "
+        r"6 blocks free\n  -> a block not freed on recompute"),
+    "swap-in that forgets the CPU blocks": (
+        dict(swap_in=swap_in_forgetting_the_host_blocks), ex18.test_swap_out_and_back_in,
+        r"case preempt a running request of 2 blocks by swap, then swap it back in: plan.swap_in_copies \[\].*"
+        r"6 of 8 host blocks free\n  -> swap_in forgot the CPU blocks"),
+    "a victim chosen from the wrong end": (
+        dict(make_room=make_room_from_the_front), ex18.test_make_room_preempts_from_the_right_end,
+        r"case make room for one more block for the first of 3 running requests.*: preempted \['r0'.*\n  -> a "
+        r"victim chosen from the wrong end"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_18))
+def test_exercise_18_names_the_planted_mistake(planted):
+    functions, test, message = PLANTED_18[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(preemption_module(**functions))
+
+
+PARAMS_18 = {"test_out_of_blocks": ("swap",), "test_random_workloads": (0,)}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_18))
+def test_exercise_18_lockstep_catches_the_planted_mistake(planted):
+    """The scripted out-of-blocks runs catch each mistake too, with the same message."""
+    functions, _, message = PLANTED_18[planted]
+    hint = message.split("-> ")[-1]
+    mode = "swap" if "swap" in planted else "recompute"
+    with pytest.raises(pytest.fail.Exception, match=hint):
+        ex18.test_out_of_blocks(preemption_module(**functions), mode)
+
+
+def test_exercise_18_never_fails_with_a_bare_assert():
+    for planted, (functions, _, _) in PLANTED_18.items():
+        for test in unit_tests(ex18, PARAMS_18):
+            try:
+                test(preemption_module(**functions))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"a test with {planted} planted: {type(error).__name__} ({error})")
+
+
+@pytest.mark.slow
+def test_exercise_18_end_to_end_catches_a_block_not_freed(llm):
+    with pytest.raises(pytest.fail.Exception, match=r"the engine with your preemption functions"):
+        ex18.test_end_to_end(preemption_module(preempt=preempt_keeping_the_blocks), llm, "recompute")
+
+
+# ---- exercise 19: a stream without [DONE], the whole text in every chunk, a disconnect not aborted --
+def endpoint_module(old: str, new: str):
+    """exercise 19's API: the solution's module with one piece of its source replaced."""
+    solution = load("solutions", "ex19_chat_endpoint")
+    source = inspect.getsource(solution)
+    assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+    module = types.ModuleType("planted_ex19")
+    exec(compile(source.replace(old, new), "planted_ex19", "exec"), module.__dict__)
+    return module
+
+
+PLANTED_19 = {
+    "an SSE stream without [DONE]": (
+        ('            yield "data: [DONE]\\n\\n"\n', ""),                       # the bug: no [DONE] line
+        lambda served, llm: ex19.test_stream_ends_with_done(served),
+        r"case a streamed chat completion, read as raw server-sent events: the stream's last event is 'data: \{.*"
+        r"\n  -> an SSE stream without \[DONE\]"),
+    "a stream that repeats the whole text": (
+        ('{"content": output.delta_text} if output.delta_text', '{"content": output.text} if output.delta_text'),
+        lambda served, llm: ex19.test_streamed(served, ex19.greedy_answer(llm)),
+        r"case a chat completion, streamed .*: the deltas add up to .*\n  -> a stream that repeats the whole text in "
+        r"each chunk instead of the delta"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_19))
+def test_exercise_19_names_the_planted_mistake(planted, llm):
+    (old, new), test, message = PLANTED_19[planted]
+    with ex19.serving(endpoint_module(old, new), llm) as served:
+        with pytest.raises(pytest.fail.Exception, match=message):
+            test(served, llm)
+
+
+@pytest.mark.slow   # waits out the grader's 20 s for an abort that never comes
+def test_exercise_19_catches_a_disconnect_that_does_not_abort(llm):
+    old = ("        finally:\n            # also when the client hung up and Starlette cancelled this generator: abort "
+           "the\n            # request, so that its KV blocks come back at once\n            group.close()\n")
+    new = "        finally:\n            pass                   # the bug: the request runs on\n"
+    with ex19.serving(endpoint_module(old, new), llm) as (url, async_engine):
+        with pytest.raises(pytest.fail.Exception, match=r"case a client that hangs up .*\n  -> a disconnect that "
+                                                        r"does not abort"):
+            ex19.check_disconnect_aborts(url, async_engine, timeout=10.0)
