@@ -74,10 +74,13 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 def resolve_tokenizer(name: str | os.PathLike):
     """The Tokenizer of `EngineConfig.tokenizer`: "embedded" (the embedded SmolLM2's, 49,152
-    tokens), a HF model folder or a .gguf file (its tokenizer)."""
+    tokens), a folder with a tokenizer (a HF model's, or the tokenizer's files alone, as
+    `tokenizer.save_pretrained` writes them) or a .gguf file (its tokenizer)."""
     from llmlab.model.tokenizer import Tokenizer
 
-    folder = resolve_model(None if str(name) == "embedded" else name)
+    path = Path(name).expanduser()
+    tokenizer_only = str(name) != "embedded" and path.is_dir() and not (path / "config.json").is_file()
+    folder = path if tokenizer_only else resolve_model(None if str(name) == "embedded" else name)
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"--tokenizer {str(name)!r}: {folder} has no tokenizer.json or tokenizer_config.json")
     return Tokenizer(str(folder))

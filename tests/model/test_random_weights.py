@@ -54,3 +54,16 @@ def test_serve_refuses_the_8b_on_a_cpu_in_one_line(capsys):
 def test_a_tokenizer_that_is_not_there_is_refused():
     with pytest.raises(ValueError, match="does not exist"):
         llmlab.LLM("random-llama3-tiny", tokenizer="no/such/folder", device="cpu")
+
+
+def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tiny, tmp_path):
+    """--tokenizer DIR takes what `save_pretrained` writes of a tokenizer (no config.json: no
+    model), as vLLM's --tokenizer does; a folder with neither is refused by name."""
+    tiny.tokenizer.hf.save_pretrained(tmp_path / "tok")
+    assert not (tmp_path / "tok" / "config.json").exists()
+    llm = llmlab.LLM("random-llama3-tiny", tokenizer=str(tmp_path / "tok"), device="cpu", num_gpu_blocks=64)
+    assert llm.engine.model_config.vocab_size == EMBEDDED_VOCAB
+    assert llm.tokenizer.encode("Hello world") == tiny.tokenizer.encode("Hello world")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no tokenizer.json or tokenizer_config.json"):
+        llmlab.LLM("random-llama3-tiny", tokenizer=str(tmp_path / "empty"), device="cpu", num_gpu_blocks=64)
