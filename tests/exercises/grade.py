@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 def capstone_status(returncode: int, output: str) -> str:
     """The capstone's line: the engine on every engine-component exercise at once."""
     if returncode == 0 and " skipped" in output and " passed" not in output:
-        return "to do    runs once every engine-component exercise (13 onwards) is written"
+        return "to do    runs once every engine-component exercise (13 to 19) is written"
     if returncode == 0:
         return "done     the engine on all your components writes the default engine's texts"
     return "FAILING  the engine on all your components differs (see above)"
