@@ -7,7 +7,9 @@ reported in the table and the others are still graded (`make grade` runs this).
     .venv/bin/python tests/exercises/grade.py --only-written   unwritten exercises do not fail it
 
 It exits 0 only when every graded exercise passes (a course's CI can rely on it): an
-exercise not written yet counts as not passing, unless --only-written.
+exercise not written yet counts as not passing, unless --only-written. A case marked `gpu`
+(exercise 20's capture and replay) is skipped on a machine without CUDA and counts as
+neither: its exercise's line says how many need a CUDA device.
 
 Under Triton's interpreter a kernel's load outside a tensor reads whatever memory is there:
 NaN or garbage when it is mapped, a segmentation fault when it is not, and the fault kills

@@ -57,6 +57,7 @@ def test_a_batch_past_the_largest_size_runs_eagerly(ex):
 
 # ---- on a CUDA GPU: capture and replay --------------------------------------------------------------------
 
+DEVICE, BACKEND = "cuda", "triton"   # where the graphs are captured: the engine's graphs need both
 BLOCK_SIZE = 16
 NUM_BLOCKS = 320
 MAX_NUM_SEQS = 16                 # the ladder 1, 2, 4, 8, 16
@@ -75,15 +76,15 @@ def small_model():
     from llmlab.config import ModelConfig
     from llmlab.model.llama import LlamaModel
 
-    return LlamaModel.random(ModelConfig.from_hf(SMALL_LLAMA3), torch.float32, "cuda", seed=1)
+    return LlamaModel.random(ModelConfig.from_hf(SMALL_LLAMA3), torch.float32, DEVICE, seed=1)
 
 
 def random_kv_cache(seed: int):
     """A KV cache of NUM_BLOCKS blocks whose every slot holds random K/V (earlier tokens' K/V)."""
     from llmlab.cache.kv_cache import KVCache
 
-    cache = KVCache(small_model().config, NUM_BLOCKS, 0, BLOCK_SIZE, torch.float32, torch.device("cuda"))
-    cache.device.normal_(generator=torch.Generator("cuda").manual_seed(seed))
+    cache = KVCache(small_model().config, NUM_BLOCKS, 0, BLOCK_SIZE, torch.float32, torch.device(DEVICE))
+    cache.device.normal_(generator=torch.Generator(DEVICE).manual_seed(seed))
     return cache
 
 
@@ -93,7 +94,7 @@ def decode_batch(contexts: list[int], num_splits: int, seed: int):
     from llmlab.engine.batch import dummy_plan, prepare
 
     plan = dummy_plan(BLOCK_SIZE, decodes=contexts)
-    input_ids, positions, batch = prepare(plan, BLOCK_SIZE, torch.device("cuda"), num_splits, "triton")
+    input_ids, positions, batch = prepare(plan, BLOCK_SIZE, torch.device(DEVICE), num_splits, BACKEND)
     tokens = torch.randint(16, small_model().config.vocab_size, (len(contexts),),
                            generator=torch.Generator().manual_seed(seed))
     return tokens.to(input_ids), positions, batch
@@ -105,7 +106,7 @@ def random_contexts(num_seqs: int, longest: int, seed: int) -> list[int]:
 
 
 def graph_decoder(ex, cache):
-    return ex.CudaGraphDecoder(small_model(), cache, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ, "triton")
+    return ex.CudaGraphDecoder(small_model(), cache, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ, BACKEND)
 
 
 # (what the case checks, context lengths, splits): one decoder runs them in this order
@@ -161,11 +162,11 @@ def stores_only_its_slots(ex, case: str, num_splits: int, hint: str) -> None:
     cache = random_kv_cache(1)
     decoder = graph_decoder(ex, cache)
     decoder.run(*decode_batch([30] * 7, 1, seed=20))
-    cache.device.normal_(generator=torch.Generator("cuda").manual_seed(2))
+    cache.device.normal_(generator=torch.Generator(DEVICE).manual_seed(2))
     before = cache.device.clone()
     input_ids, positions, batch = decode_batch([50] * 5, num_splits, seed=21)
     decoder.run(input_ids, positions, batch)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()   # the replay is asynchronous: read the cache after it
     stray = sorted(slots_written(before, cache.device) - set(batch.slot_mapping.tolist()))
     expect(not stray, case, f"slots {stray} were written, though no sequence of this step stores there "
                             f"(its slots: {batch.slot_mapping.tolist()})", hint)
@@ -196,7 +197,7 @@ def engine_greedy(cuda_graphs=None):
     and the engine."""
     from llmlab import EngineConfig, LLMEngine, SamplingParams
 
-    config = EngineConfig(device="cuda", dtype="float32", backend="triton", num_gpu_blocks=512,
+    config = EngineConfig(device=DEVICE, dtype="float32", backend=BACKEND, num_gpu_blocks=512,
                           max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024)
     plugged = {} if cuda_graphs is None else dict(cuda_graphs=cuda_graphs)
     engine = LLMEngine(config, model=small_model(), **plugged)
