@@ -32,8 +32,9 @@ Task
                  step's slots left there would overwrite K/V that requests own.
               2. Warm up: run the forward once eagerly, on a side stream (as torch.cuda.graph's
                  docs do: the stream waits for the current one, and the current one for it),
-                 so Triton compiles its kernels and every cached tensor is allocated before
-                 the capture, which can do neither.
+                 so Triton compiles its kernels and every tensor a kernel caches is allocated
+                 before the capture (a compile cannot run inside one, and a tensor cached
+                 there would live in the graph's pool).
               3. Record it: `with torch.cuda.graph(graph, pool=self.pool):` around the forward;
                  then self.pool = graph.pool(), so every graph shares one memory pool.
               4. Keep, under the key, the graph (self.graphs), the logits tensor the forward
