@@ -27,6 +27,13 @@ def batch_size_ladder(max_num_seqs: int, largest: int = MAX_GRAPH_BATCH_SIZE) ->
     return [s for s in sizes if s <= top]
 
 
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The captured batch size a decode step of `num_seqs` sequences replays (vLLM's
+    pad_for_cudagraph): the smallest of `sizes` (ascending) that holds them, the rows past
+    num_seqs padding; None when none does (the step runs eagerly)."""
+    return next((size for size in sizes if size >= num_seqs), None)
+
+
 class CudaGraphDecoder:
     def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, backend: str | None = None):
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
@@ -87,7 +94,7 @@ class CudaGraphDecoder:
     def run(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
         """Replay the decode graph for an eager-shaped decode batch; logits [num_seqs, vocab]."""
         num_seqs = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= num_seqs)
+        size = padded_batch_size(num_seqs, self.sizes)
         key = (size, batch.num_splits)
         if key not in self.graphs:
             self._capture(size, batch.num_splits)

@@ -18,6 +18,7 @@ import torch
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
+from llmlab.engine.cuda_graphs import CudaGraphDecoder
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor, OutputText
@@ -50,7 +51,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None, policy=fcfs, block_manager=BlockManager,
                  detokenizer=IncrementalDetokenizer, output_text=OutputText, decoder_layer=None,
-                 sampler=Sampler, scheduler=Scheduler, preemption=preemption_functions):
+                 sampler=Sampler, scheduler=Scheduler, preemption=preemption_functions,
+                 cuda_graphs=CudaGraphDecoder):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights).
         The plug-in points (the exercises' components run here): `block_manager`, a class with
         BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
@@ -59,11 +61,13 @@ class LLMEngine:
         LlamaModel's own loop body (LlamaModel.with_decoder_layer; None: the model's own);
         `sampler`, a class with Sampler's constructor (seed, backend) and methods;
         `scheduler`, a class with Scheduler's constructor and methods; `preemption`, a module or
-        object with preemption.py's functions (the scheduler calls them).
+        object with preemption.py's functions (the scheduler calls them); `cuda_graphs`, a class
+        with CudaGraphDecoder's constructor and methods (the runner replays its decode graphs;
+        on a GPU with the Triton backend only, one device).
         `policy` is the scheduler's (policies.py)."""
         # load -> prepack -> memory profile -> KV cache: the runner's work; its config has the
         # sizes that were left None chosen for this device and cache (sizing.py)
-        self.runner = runner = ModelRunner(config, model, tokenizer, decoder_layer)
+        self.runner = runner = ModelRunner(config, model, tokenizer, decoder_layer, cuda_graphs)
         self.config = config = runner.config
         # found beside the weights; the engine's: prompts in (tokenize), text out (its output processor)
         self.tokenizer = runner.tokenizer

@@ -26,6 +26,7 @@ from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab import sizing
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine import batch as batches
+from llmlab.engine.cuda_graphs import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
 from llmlab import kernels
@@ -106,12 +107,20 @@ def check_device(name: str, device: torch.device) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None, decoder_layer=None):
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None, decoder_layer=None,
+                 cuda_graphs=CudaGraphDecoder):
         """Loads `config.model`, or runs the given model (and tokenizer), e.g. random weights;
-        `decoder_layer`: a class that runs each layer instead (LlamaModel.with_decoder_layer)."""
+        `decoder_layer`: a class that runs each layer instead (LlamaModel.with_decoder_layer);
+        `cuda_graphs`: the class of the decode-step CUDA graphs (CudaGraphDecoder's constructor
+        and methods), which `make_decode_graphs` builds."""
         self.config = config
         self.device = config.resolved_device()
         check_device(config.device, self.device)
+        if cuda_graphs is not CudaGraphDecoder and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            # checked before the workers start: every rank captures llmlab's own graphs
+            raise ValueError("a plugged-in cuda_graphs runs on one device: the tensor-parallel ranks capture "
+                             "llmlab's CudaGraphDecoder (tensor_parallel_size and pipeline_parallel_size 1)")
+        self.cuda_graphs = cuda_graphs
         self.dtype = config.resolved_dtype()
         # the one home of the kernel backend: every forward's batch carries it, the engine's
         # sampler is given it; the model itself (maybe the caller's) is never changed
@@ -192,13 +201,12 @@ class ModelRunner:
 
     def make_decode_graphs(self):
         """The decode-step CUDA graphs that `forward` replays from now on: CudaGraphDecoder
-        (cuda_graphs.py), or with tensor parallelism every rank's at once
-        (parallel/cuda_graphs.py); making them captures each size of their batch-size ladder
-        with one split. Called once, by the warm-up (warm_up.py), which captures the rest."""
-        from llmlab.engine.cuda_graphs import CudaGraphDecoder
-
+        (cuda_graphs.py) or the class plugged in as `cuda_graphs`, or with tensor parallelism
+        every rank's at once (parallel/cuda_graphs.py); making them captures each size of their
+        batch-size ladder with one split. Called once, by the warm-up (warm_up.py), which
+        captures the rest."""
         config = self.config
-        self.graphs = (CudaGraphDecoder(self.model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq,
+        self.graphs = (self.cuda_graphs(self.model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq,
                                         self.backend)
                        if self.executor is None else  # parallel/cuda_graphs.py
                        self.executor.cuda_graphs(self.model, self.kv_cache, config.max_num_seqs,

@@ -35,6 +35,7 @@ import torch
 
 from llmlab.config import EngineConfig
 from llmlab.engine.batch import dummy_plan, num_blocks_of
+from llmlab.engine.cuda_graphs import padded_batch_size
 from llmlab.model.llama import LOGITS_DTYPE
 from llmlab.plan import Plan
 
@@ -125,7 +126,7 @@ def graph_keys(sizes: list[int], max_num_seqs: int, max_model_len: int, num_spli
     the context, so a batch whose longest context gets one split needs no other key."""
     keys = set()
     for num_seqs in range(1, min(max_num_seqs, sizes[-1]) + 1):
-        size = next(s for s in sizes if s >= num_seqs)
+        size = padded_batch_size(num_seqs, sizes)
         if num_splits(num_seqs, max_model_len) == 1:
             keys.add((size, 1))
             continue

@@ -4,7 +4,7 @@ the post-step bookkeeping, is tested without a model in tests/scheduler/test_sch
 import pytest
 import torch
 
-from llmlab import EngineConfig, SamplingParams
+from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.engine import ModelRunner
 from llmlab.engine.batch import dummy_plan, num_blocks_of
 from llmlab.engine.warm_up import compile_kernels
@@ -67,6 +67,30 @@ def test_the_runner_leaves_the_given_model_as_it_was():
     before = dict(vars(model))
     ModelRunner(cpu_config(backend="reference"), model=model).execute(dummy_plan(4, prefills=[(5, 5)]))
     assert dict(vars(model)) == before
+
+
+def test_the_decode_graphs_are_built_from_the_class_plugged_in():
+    """LLMEngine(config, cuda_graphs=cls), exercise 20's plug-in point: the runner builds its
+    decode graphs from that class, with CudaGraphDecoder's constructor arguments (on a CPU the
+    warm-up captures nothing, so the test asks for them itself)."""
+    built = []
+
+    class Recorded:
+        def __init__(self, model, kv_cache, max_num_seqs, max_blocks_per_seq, backend=None):
+            built.append((model, kv_cache, max_num_seqs, max_blocks_per_seq, backend))
+
+    runner = LLMEngine(cpu_config(), model=MODEL, cuda_graphs=Recorded).runner
+    assert runner.graphs is None
+    graphs = runner.make_decode_graphs()
+    assert isinstance(graphs, Recorded) and runner.graphs is graphs
+    assert built == [(runner.model, runner.kv_cache, runner.config.max_num_seqs, runner.max_blocks_per_seq,
+                      runner.backend)]
+
+
+def test_a_plugged_in_cuda_graphs_is_refused_with_tensor_parallelism():
+    """Every tensor-parallel rank captures llmlab's own graphs: refused before any worker starts."""
+    with pytest.raises(ValueError, match="a plugged-in cuda_graphs runs on one device"):
+        ModelRunner(cpu_config(tensor_parallel_size=2), model=MODEL, cuda_graphs=object)
 
 
 def test_warm_up_runs_mixed_prefill_and_decode_steps(monkeypatch):

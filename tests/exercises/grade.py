@@ -7,7 +7,9 @@ reported in the table and the others are still graded (`make grade` runs this).
     .venv/bin/python tests/exercises/grade.py --only-written   unwritten exercises do not fail it
 
 It exits 0 only when every graded exercise passes (a course's CI can rely on it): an
-exercise not written yet counts as not passing, unless --only-written.
+exercise not written yet counts as not passing, unless --only-written. A case marked `gpu`
+(exercise 20's capture and replay) is skipped on a machine without CUDA and counts as
+neither: its exercise's line says how many need a CUDA device.
 
 Under Triton's interpreter a kernel's load outside a tensor reads whatever memory is there:
 NaN or garbage when it is mapped, a segmentation fault when it is not, and the fault kills
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
 def capstone_status(returncode: int, output: str) -> str:
     """The capstone's line: the engine on every engine-component exercise at once."""
     if returncode == 0 and " skipped" in output and " passed" not in output:
-        return "to do    runs once every engine-component exercise (13 onwards) is written"
+        return "to do    runs once every engine-component exercise (13 to 19) is written"
     if returncode == 0:
         return "done     the engine on all your components writes the default engine's texts"
     return "FAILING  the engine on all your components differs (see above)"

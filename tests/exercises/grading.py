@@ -289,6 +289,8 @@ SMOKE_CALLS = {
         lambda m: _swapped_back_in(m),
     ],
     "ex19_chat_endpoint": [lambda m: m.build_app(None)],   # builds the app only: the engine is not touched
+    # its class needs CUDA to be built at all (it captures in its constructor): the pure part only
+    "ex20_cuda_graphs": [lambda m: m.padded_batch_size(3, [1, 2, 4, 8])],
     "ex10_chunked_prefill": [lambda m: m.schedule_chunks(1, [10], 8, 4)],
     "ex11_top_p": [lambda m: m.top_p_filter(torch.zeros(1, 4), 0.5)],
     "ex12_quantized_store_kv": [

@@ -20,7 +20,8 @@ def exercise_of(nodeid: str) -> str | None:
 @dataclass
 class Grade:
     """What is known about one exercise's tests."""
-    counts: Counter = field(default_factory=Counter)   # "passed" | "failed" | "skipped" -> tests
+    # "passed" | "failed" | "skipped" | "needs_gpu" (a `gpu` test on a machine without CUDA) -> tests
+    counts: Counter = field(default_factory=Counter)
     not_written: bool = False       # a test hit the exercise's NotImplementedError
     crashed: str | None = None      # why its process died (grade.py only)
 
@@ -38,9 +39,12 @@ class Grade:
             return f"FAILING  {counts['failed']} failed, {counts['passed']} passed"
         if self.not_written and not counts["passed"]:
             return "to do    not written yet"
+        gpu = ""
+        if counts["needs_gpu"]:   # not failures, nor the student's to do: a GPU grades them
+            gpu = f"; {counts['needs_gpu']} skipped: need a CUDA device (graded on a GPU only)"
         if counts["skipped"]:
-            return f"partial  {counts['passed']} passed, {counts['skipped']} not written yet"
-        return f"done     {counts['passed']} passed"
+            return f"partial  {counts['passed']} passed, {counts['skipped']} not written yet{gpu}"
+        return f"done     {counts['passed']} passed{gpu}"
 
 
 def table(grades: dict[str, Grade], impl: str) -> list[str]:

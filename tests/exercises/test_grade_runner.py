@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from grade import grade_one
 from report import table
@@ -81,3 +82,27 @@ def test_grading_the_unwritten_exercises_exits_1():
     result = subprocess.run([sys.executable, str(grader), "ex09", "--only-written"], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-2000:]
+
+
+def test_a_gpu_case_skipped_without_cuda_is_not_a_failure():
+    """On a machine without CUDA an exercise's `gpu` cases are skipped: its line says that they
+    need a CUDA device, and they do not make `make grade` exit 1 (nor count as not written)."""
+    from grade import exit_status
+    from report import Grade
+
+    grade = Grade()
+    grade.add("call", "passed")
+    grade.add("setup", "needs_gpu")
+    assert grade.status() == "done     1 passed; 1 skipped: need a CUDA device (graded on a GPU only)"
+    assert exit_status({"ex20": grade}, api_ok=True, only_written=False) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu cases run")
+def test_exercise_20_on_a_cpu_grades_its_pure_part_and_says_the_rest_needs_cuda(tmp_path):
+    """The real conftest.py marks the skipped `gpu` cases (grade.py's events), on the solutions."""
+    from pathlib import Path
+
+    grades = grade_one(Path(__file__).parent / "test_ex20_cuda_graphs.py", "solutions", timeout=300, extra=[])
+    [line] = table(grades, "solutions")
+    assert line.split()[:3] == ["ex20_cuda_graphs", "done", "3"] and "need a CUDA device" in line, line

@@ -22,6 +22,7 @@ import test_ex16_sampler as ex16
 import test_ex17_scheduler_step as ex17
 import test_ex18_preemption as ex18
 import test_ex19_chat_endpoint as ex19
+import test_ex20_cuda_graphs as ex20
 from grading import load
 from llmlab import kernels
 from llmlab.kernels import reference
@@ -678,3 +679,119 @@ def test_exercise_19_catches_a_disconnect_that_does_not_abort(llm):
         with pytest.raises(pytest.fail.Exception, match=r"case a client that hangs up .*\n  -> a disconnect that "
                                                         r"does not abort"):
             ex19.check_disconnect_aborts(url, async_engine, timeout=10.0)
+
+
+# ---- exercise 20: a size smaller than the batch, > for >=, no eager past the ladder; on a GPU: a replay of
+# ---- the buffers' old inputs, padding rows left with stale slots, a capture mid-run that stores stale slots
+def padding_module(padded_batch_size):
+    """exercise 20's API: the solution's module with its padded_batch_size replaced."""
+    solution = load("solutions", "ex20_cuda_graphs")
+    return types.SimpleNamespace(padded_batch_size=padded_batch_size, CudaGraphDecoder=solution.CudaGraphDecoder)
+
+
+def largest_size_not_above(num_seqs, sizes):
+    fitting = [size for size in sizes if size <= num_seqs]   # the bug: rounds down, and rows are dropped
+    return fitting[-1] if fitting else sizes[0]
+
+
+def strictly_larger_size(num_seqs, sizes):
+    return next((size for size in sizes if size > num_seqs), None)   # the bug: > where >= is meant
+
+
+def largest_size_past_the_ladder(num_seqs, sizes):
+    return next((size for size in sizes if size >= num_seqs), sizes[-1])   # the bug: no None, so no eager step
+
+
+PLANTED_20 = {
+    "a size smaller than the batch": (
+        largest_size_not_above, ex20.test_a_batch_between_sizes_replays_the_next_larger,
+        r"case batches between the sizes of the ladder .*: for num_seqs \[3, 5, 7, .*\] it returned \[2, 4, 4, .*\n"
+        r"  -> .*the smallest captured size >= n .*never a smaller one"),
+    "> where >= is meant": (
+        strictly_larger_size, ex20.test_a_batch_of_a_captured_size_replays_its_own,
+        r"case batches of exactly a captured size: for num_seqs \[1, 2, 4, .*\] it returned \[2, 4, 8, .*\n"
+        r"  -> .*size >= n, not > n"),
+    "the largest size past the ladder": (
+        largest_size_past_the_ladder, ex20.test_a_batch_past_the_largest_size_runs_eagerly,
+        r"case batches past the largest size of the ladder \[1, 2, 4, 8, 16\]: for num_seqs \[17, 40\] it returned "
+        r"\[16, 16\], expected \[None, None\]\n  -> .*return None"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_20))
+def test_exercise_20_names_the_planted_mistake(planted):
+    padded_batch_size, test, message = PLANTED_20[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(padding_module(padded_batch_size))
+
+
+def test_exercise_20_never_fails_with_a_bare_assert():
+    tests = [ex20.test_a_batch_between_sizes_replays_the_next_larger, ex20.test_a_batch_of_a_captured_size_replays_its_own,
+             ex20.test_a_batch_past_the_largest_size_runs_eagerly]
+    for planted, (padded_batch_size, _, _) in PLANTED_20.items():
+        for test in tests:
+            try:
+                test(padding_module(padded_batch_size))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
+
+
+def cuda_graphs_module(old: str, new: str):
+    """exercise 20's API: the solution's module with one piece of its source replaced."""
+    solution = load("solutions", "ex20_cuda_graphs")
+    source = inspect.getsource(solution)
+    assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+    module = types.ModuleType("planted_ex20")
+    exec(compile(source.replace(old, new), "planted_ex20", "exec"), module.__dict__)
+    return module
+
+
+PLANTED_20_ON_A_GPU = {
+    "a replay of the buffers' old inputs": (
+        ("""        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.slot_mapping[:num_seqs].copy_(batch.slot_mapping)
+        self.seq_lens[:num_seqs].copy_(batch.decode_seq_lens)
+        self.block_tables[:num_seqs, :width].copy_(batch.decode_block_tables)
+""", ""),                                  # the bug: this step's inputs never reach the static buffers
+        ex20.test_replay_matches_eager,
+        r"case replay 1 of 5, 3 sequences: the graph of 4.*: the logits of rows \[0, 1, 2\] differ from the eager "
+        r"forward's .*\n  -> copy this step's inputs .* into the first num_seqs rows of the static buffers"),
+    "padding rows left with the last step's slots": (
+        ("        self.slot_mapping[num_seqs:size].fill_(-1)\n", ""),
+        ex20.test_padding_rows_store_nothing,
+        r"case a step of 5 sequences after one of 7 .*: slots \[.*\] were written, though no sequence of this step "
+        r"stores there .*\n  -> set the padding rows' slot_mapping .* to -1"),
+    "a capture mid-run over the last step's buffers": (
+        ("""        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_tables.zero_()
+""", ""),
+        ex20.test_a_capture_mid_run_stores_nothing,
+        r"case a step of 5 sequences with 2 splits after one of 7: the key \(8, 2\) is captured mid-run: slots "
+        r"\[.*\] were written.*\n  -> reset the buffers .* before a capture's eager warm-up"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("planted", sorted(PLANTED_20_ON_A_GPU))
+def test_exercise_20_names_the_planted_mistake_on_a_gpu(planted):
+    (old, new), test, message = PLANTED_20_ON_A_GPU[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        test(cuda_graphs_module(old, new))
+
+
+@pytest.mark.gpu
+def test_exercise_20_never_fails_with_a_bare_assert_on_a_gpu():
+    tests = [ex20.test_replay_matches_eager, ex20.test_padding_rows_store_nothing,
+             ex20.test_a_capture_mid_run_stores_nothing]
+    for planted, ((old, new), _, _) in PLANTED_20_ON_A_GPU.items():
+        for test in tests:
+            try:
+                test(cuda_graphs_module(old, new))
+            except pytest.fail.Exception as report:
+                assert str(report).startswith("case "), str(report)
+            except Exception as error:   # noqa: BLE001 -- a crash is no report either
+                pytest.fail(f"{test.__name__} with {planted} planted: {type(error).__name__} ({error})")
