@@ -29,8 +29,8 @@ from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer, check_prompt_ids, tokenize_prompt
 from llmlab.plan import Plan
 from llmlab.policies import fcfs
-from llmlab.request import Request, RequestOutput
-from llmlab.sampling import Sampler, SamplingParams, prompt_token_logprobs
+from llmlab.request import Request, RequestOutput, unused_request_id
+from llmlab.sampling import Sampler, SamplingParams, prompt_token_logprobs, request_params
 from llmlab.scheduler import Scheduler
 
 
@@ -95,20 +95,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a prompt (text, token ids or chat messages: see `tokenize`); returns its id."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()    # again: its fields may have been changed since it was built
-        if params.n != 1:    # LLM.generate and the server fan n out (SamplingParams.fan_out)
-            raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first (SamplingParams.fan_out)")
+        params = request_params(params)   # checked again: its fields may have changed since it was built
         token_ids, text = self.tokenize(prompt)
         check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
-        if request_id is None:   # the next number no caller has taken
-            while (request_id := str(next(self._ids))) in self.requests:
-                pass
-        request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = unused_request_id(request_id, self.requests, self._ids)
         # arrival on the scheduler's clock, the one every policy decision's `now` is on
         request = Request(request_id, text, token_ids, params, arrival_time=self.scheduler.now())
         request.sampling_seed = params.seed if params.seed is not None else self.sampler.new_seed()
@@ -211,22 +201,18 @@ class LLMEngine:
         outcome = self.scheduler.resolve(step.requests, step.tokens())
         self.num_dropped_tokens += outcome.num_dropped
         self._freed_blocks += outcome.freed_blocks
-        if step.logprobs is not None or step.prompt_logprobs is not None:
-            self.output.add_logprobs(step.requests, outcome.advanced, *step.logprob_entries())
+        self.output.add_logprobs(step, outcome.advanced)
         for request in self.output.add_tokens(outcome.advanced):   # a stop string ended it
             # also when the same token reached max_tokens: a stop string wins over "length"
             self._freed_blocks += self.scheduler.finish(request, "stop")
         for request in outcome.advanced:
             if request.finished:
                 self._finished(request)
+        freed, self._freed_blocks = self._freed_blocks, []
         if self.hooks.active:
-            freed, self._freed_blocks = self._freed_blocks, []
-            self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced,
-                                        freed_blocks=freed, timings=step.timings,
-                                        kernel_timings=step.kernel_timings, time=time.perf_counter(),
-                                        overlapped=step.overlapped))
-        else:
-            self._freed_blocks.clear()
+            self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced, freed_blocks=freed,
+                                        timings=step.timings, kernel_timings=step.kernel_timings,
+                                        time=time.perf_counter(), overlapped=step.overlapped))
         return self.output.outputs(outcome.advanced)
 
     def _lap(self, clock):
