@@ -1,5 +1,6 @@
 """Configuration: `EngineConfig` (every engine knob, vLLM's names) and `ModelConfig`
-(the architecture, read from a HF `config.json`)."""
+(the architecture, read from a HF `config.json`). `check_device`: the CUDA device a config
+names is on this machine (asked by the runner and the benchmarks before anything loads)."""
 from __future__ import annotations
 
 import dataclasses
@@ -137,6 +138,20 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def check_device(name: str, device: torch.device) -> None:
+    """A CUDA device the machine has, before anything is loaded onto it (an EngineConfig
+    itself may name one anywhere: it only describes an engine)."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
+        raise ValueError(f"EngineConfig.device={name!r}, but there is no CUDA device here ({why}); "
+                         "use device='cpu' or 'auto'")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"EngineConfig.device={name!r}, but this machine has {torch.cuda.device_count()} "
+                         f"CUDA device(s): cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
 
 
 @dataclass

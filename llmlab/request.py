@@ -16,6 +16,11 @@ class ContextLengthError(ValueError):
     """The prompt (plus one new token) does not fit in the model's context."""
 
 
+# the value of an output token the host has not read yet (never fed to the model: the
+# runner takes that input id from the device, where the sampler left it)
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"      # queued; no KV in the cache (new, or preempted by recompute)
     RUNNING = "running"      # has KV blocks on the device; prefilling or decoding
@@ -90,6 +95,25 @@ class Request:
     @property
     def text(self) -> str:
         return self.output_text.text if self.output_text is not None else ""
+
+    def drop_pending_token(self) -> None:
+        """Forget the newest token if it is still in flight (the request finished meanwhile:
+        aborted, or ended by a stop string)."""
+        if self.token_pending:
+            self.output_token_ids.pop()
+            self.token_pending = False
+
+
+def unused_request_id(request_id, requests: dict, ids) -> str:
+    """`request_id` as a string, or for None the next number of `ids` (an itertools.count)
+    that no caller has taken; a ValueError if `requests` holds it already."""
+    if request_id is None:
+        while (request_id := str(next(ids))) in requests:
+            pass
+    request_id = str(request_id)
+    if request_id in requests:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    return request_id
 
 
 class RequestOutput:   # a plain class with __slots__: it is built for every request every step

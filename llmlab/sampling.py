@@ -90,6 +90,19 @@ MAX_LOGPROBS = 20    # alternatives per token, as OpenAI's top_logprobs allows
 MAX_N = 128          # completions per prompt
 
 
+def request_params(params: SamplingParams | None) -> SamplingParams:
+    """The params of one request (LLMEngine.add_request): SamplingParams() for None, checked
+    again (its fields may have been changed since it was built), with n = 1: LLM.generate and
+    the server fan n > 1 out first (SamplingParams.fan_out)."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if params.n != 1:
+        raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first (SamplingParams.fan_out)")
+    return params
+
+
 def _top_k(k: int, vocab: int) -> int:
     """top_k as the kernels take it: -1 (every token) when it keeps the whole vocabulary,
     so a huge value neither overflows a tensor nor costs a sort."""

@@ -28,11 +28,7 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
 from llmlab.policies import SchedulingPolicy, fcfs, resolve_policy
-from llmlab.request import Request, RequestStatus
-
-# the value of an output token the host has not read yet (never fed to the model: the
-# runner takes that input id from the device, where the sampler left it)
-PENDING_TOKEN = -1
+from llmlab.request import PENDING_TOKEN, Request, RequestStatus
 
 
 class Scheduler:
@@ -84,9 +80,7 @@ class Scheduler:
         freed = self.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if request.token_pending:   # finished (aborted) while its newest token was in flight
-            request.output_token_ids.pop()
-            request.token_pending = False
+        request.drop_pending_token()   # finished (aborted) while its newest token was in flight
         return freed
 
     # ---- after the step --------------------------------------------------------------

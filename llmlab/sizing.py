@@ -16,6 +16,11 @@ kept as it is. A Scheduler built on a config with None (tests, the simulator) ca
 too, with its block manager's size. `token_budget(config)` is the part that needs no KV
 cache: the runner's memory profile runs one forward of that many tokens before the cache
 exists.
+
+`max_model_len`, the longest prompt + output, is the third size left None: the model's
+context, or what the KV cache holds if less (`max_model_len_for`, called by the runner once
+the cache is sized). A value past the model's context is refused before the weights load
+(`check_context`, called by model/loader.py).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlab.config import EngineConfig
+from llmlab.config import EngineConfig, ModelConfig
 
 GIB = 2**30
 
@@ -103,3 +108,28 @@ def resolve(config: EngineConfig, kv_cache_blocks: int) -> tuple[EngineConfig, S
     why.append(f"KV cache holds {kv_cache_blocks * config.block_size:,} tokens")
     reason = f"max_num_seqs {seqs}, max_num_batched_tokens {tokens} ({'; '.join(why)})"
     return dataclasses.replace(config, max_num_seqs=seqs, max_num_batched_tokens=tokens), Sizes(seqs, tokens, reason)
+
+
+def check_context(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A max_model_len past the model's context is refused with both numbers (as vLLM does):
+    positions past it were never trained, so the text there would be garbage, not an error."""
+    if config.max_model_len is not None and config.max_model_len > model_config.context_length:
+        raise ValueError(f"EngineConfig.max_model_len is {config.max_model_len}, more than the model's context of "
+                         f"{model_config.context_length} tokens ({model_config.context_source()}); lower it, or "
+                         f"leave it None for the model's context")
+
+
+def max_model_len_for(config: EngineConfig, model_config: ModelConfig, kv_cache_tokens: int) -> int:
+    """The longest prompt + output the engine runs: config.max_model_len, or None = the
+    model's context, or what the KV cache holds if less (a sequence needs all its blocks on
+    the device at once). An asked-for length the KV cache cannot hold is refused: a silent
+    cap would surface later as refused or cut-short requests."""
+    check_context(config, model_config)
+    if config.max_model_len is None:
+        return min(model_config.context_length, kv_cache_tokens)
+    if config.max_model_len > kv_cache_tokens:
+        raise ValueError(
+            f"EngineConfig.max_model_len is {config.max_model_len}, more than the KV cache holds: {kv_cache_tokens} "
+            f"tokens ({kv_cache_tokens // config.block_size} blocks of {config.block_size}); lower it, or give "
+            f"the KV cache more memory (gpu_memory_utilization, cpu_kv_cache_gib or num_gpu_blocks)")
+    return config.max_model_len

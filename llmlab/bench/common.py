@@ -198,7 +198,7 @@ def random_engine(args, num_gpu_blocks=None, max_num_seqs=256, max_num_batched_t
     names one: then the vocabulary is the tokenizer's (model/random_weights.py).
     `engine_args`: EngineConfig fields that override the ones chosen here."""
     from llmlab.llm import LLM
-    from llmlab.engine.model_runner import check_device
+    from llmlab.config import check_device
     from llmlab.model.loader import resolve_tokenizer
     from llmlab.model.random_weights import check_random_device, random_shape
 

@@ -51,7 +51,7 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     from llmlab.kernels.triton.q8_configs import Q8_CONFIGS
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from llmlab.engine.model_runner import check_device
+    from llmlab.config import check_device
 
     check_device(str(device), device)
     on_gpu = device.type == "cuda"

@@ -42,7 +42,7 @@ def main(args) -> list[dict]:
     from llmlab.sampling import Sampler
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    from llmlab.engine.model_runner import check_device
+    from llmlab.config import check_device
 
     check_device(args.device, device)
     dtype = LOGITS_DTYPE   # what the engine's model hands the sampler, on every device

@@ -30,8 +30,8 @@ from llmlab.model.llama import LlamaModel
 from llmlab.model.tokenizer import IncrementalDetokenizer, Tokenizer, check_prompt_ids, tokenize_prompt
 from llmlab.plan import Plan
 from llmlab.policies import fcfs
-from llmlab.request import Request, RequestOutput
-from llmlab.sampling import Sampler, SamplingParams, prompt_token_logprobs
+from llmlab.request import Request, RequestOutput, unused_request_id
+from llmlab.sampling import Sampler, SamplingParams, prompt_token_logprobs, request_params
 from llmlab.scheduler import Scheduler
 
 
@@ -54,16 +54,11 @@ class LLMEngine:
                  sampler=Sampler, scheduler=Scheduler, preemption=preemption_functions,
                  cuda_graphs=CudaGraphDecoder):
         """Loads `config.model` (or uses the given model and tokenizer, e.g. random weights).
-        The plug-in points (the exercises' components run here): `block_manager`, a class with
-        BlockManager's constructor and methods; `detokenizer` and `output_text`, classes with
-        IncrementalDetokenizer's and OutputText's (the output processor builds one of each
-        per request); `decoder_layer`, a class that runs each layer of the model in place of
-        LlamaModel's own loop body (LlamaModel.with_decoder_layer; None: the model's own);
-        `sampler`, a class with Sampler's constructor (seed, backend) and methods;
-        `scheduler`, a class with Scheduler's constructor and methods; `preemption`, a module or
-        object with preemption.py's functions (the scheduler calls them); `cuda_graphs`, a class
-        with CudaGraphDecoder's constructor and methods (the runner replays its decode graphs;
-        on a GPU with the Triton backend only, one device).
+        The plug-in points (the exercises' components run here): `block_manager`, `detokenizer`,
+        `output_text`, `sampler`, `scheduler` and `cuda_graphs` are classes with the constructor
+        and methods of the llmlab class they default to; `preemption`, a module or object with
+        preemption.py's functions; `decoder_layer`, a class run as each layer's body (None: the
+        model's own). ARCHITECTURE.md ("Plug-in points for engine components") says how each is called.
         `policy` is the scheduler's (policies.py)."""
         # load -> prepack -> memory profile -> KV cache: the runner's work; its config has the
         # sizes that were left None chosen for this device and cache (sizing.py)
@@ -99,20 +94,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a prompt (text, token ids or chat messages: see `tokenize`); returns its id."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()    # again: its fields may have been changed since it was built
-        if params.n != 1:    # LLM.generate and the server fan n out (SamplingParams.fan_out)
-            raise ValueError("a request is one sequence: fan SamplingParams.n > 1 out first (SamplingParams.fan_out)")
+        params = request_params(params)   # checked again: its fields may have changed since it was built
         token_ids, text = self.tokenize(prompt)
         check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
-        if request_id is None:   # the next number no caller has taken
-            while (request_id := str(next(self._ids))) in self.requests:
-                pass
-        request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = unused_request_id(request_id, self.requests, self._ids)
         # arrival on the scheduler's clock, the one every policy decision's `now` is on
         request = Request(request_id, text, token_ids, params, arrival_time=self.scheduler.now())
         request.sampling_seed = params.seed if params.seed is not None else self.sampler.new_seed()
@@ -215,22 +200,18 @@ class LLMEngine:
         outcome = self.scheduler.resolve(step.requests, step.tokens())
         self.num_dropped_tokens += outcome.num_dropped
         self._freed_blocks += outcome.freed_blocks
-        if step.logprobs is not None or step.prompt_logprobs is not None:
-            self.output.add_logprobs(step.requests, outcome.advanced, *step.logprob_entries())
+        self.output.add_logprobs(step, outcome.advanced)
         for request in self.output.add_tokens(outcome.advanced):   # a stop string ended it
             # also when the same token reached max_tokens: a stop string wins over "length"
             self._freed_blocks += self.scheduler.finish(request, "stop")
         for request in outcome.advanced:
             if request.finished:
                 self._finished(request)
+        freed, self._freed_blocks = self._freed_blocks, []
         if self.hooks.active:
-            freed, self._freed_blocks = self._freed_blocks, []
-            self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced,
-                                        freed_blocks=freed, timings=step.timings,
-                                        kernel_timings=step.kernel_timings, time=time.perf_counter(),
-                                        overlapped=step.overlapped))
-        else:
-            self._freed_blocks.clear()
+            self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced, freed_blocks=freed,
+                                        timings=step.timings, kernel_timings=step.kernel_timings,
+                                        time=time.perf_counter(), overlapped=step.overlapped))
         return self.output.outputs(outcome.advanced)
 
     def _lap(self, clock):

