@@ -20,7 +20,8 @@ So on a CPU each weight gets a packed copy on its first use, kept beside the pla
 (which everything else -- hooks, sharding, notebooks -- keeps reading) and rebuilt if
 the weight is modified in place. The ops are `torch.ops.mkldnn._reorder_linear_weight`
 and `_linear_pointwise`, the ones torch.compile emits; a one-time probe checks that they
-exist and agree with F.linear, and everything falls back to F.linear if not.
+exist and agree with F.linear, for float32 and for bfloat16 apart (oneDNN's bfloat16 needs
+AVX-512 or AVX-NE-CONVERT, which some x86 CPUs lack), and falls back to F.linear if not.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from ..tuning import knobs
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _PACK_FOR_ROWS = 16           # oneDNN picks its blocking for this many rows; 1-512 all gain
-_onednn_works: bool | None = None
+_onednn_works: dict = {}      # dtype -> whether oneDNN's ops work for it here (onednn_works)
 _one_row: str | None = None   # "mkl" or "onednn", once decided (one_row_library)
 _packed: dict = {}            # id(weight) -> (weak ref to it, its version, packed copy)
 
@@ -41,7 +42,7 @@ _packed: dict = {}            # id(weight) -> (weak ref to it, its version, pack
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in], weight [out, in], bias [out] or None -> [..., out]: oneDNN with the packed
     weight on a CPU (MKL for a float32 row where it measured faster), F.linear elsewhere."""
-    if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and onednn_works():
+    if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and onednn_works(x.dtype):
         if x.dtype == torch.float32 and x.numel() == x.shape[-1] and one_row_library() == "mkl":
             return F.linear(x, weight, bias)   # one row, where MKL measured faster on this machine
         return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
@@ -66,10 +67,9 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 def prepack(weights) -> None:
     """Pack these weights now (the engine does this at load time on a CPU) rather than on
     their first use."""
-    if onednn_works():
-        for weight in weights:
-            if weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES:
-                packed(weight)
+    for weight in weights:
+        if weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and onednn_works(weight.dtype):
+            packed(weight)
 
 
 def one_row_library() -> str:
@@ -107,19 +107,20 @@ def _time_one_row() -> str:
     return min(best, key=best.get)
 
 
-def onednn_works() -> bool:
-    """Whether this torch build has oneDNN's linear ops and they agree with F.linear."""
-    global _onednn_works
-    if _onednn_works is None:
+def onednn_works(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN's linear ops for `dtype` on this CPU and they agree
+    with F.linear (probed once per dtype)."""
+    if dtype not in _onednn_works:
+        atol = 1e-5 if dtype == torch.float32 else 5e-2    # bfloat16 keeps 8 bits of mantissa
         try:
             gen = torch.Generator().manual_seed(0)
-            x, w, b = (torch.randn(shape, generator=gen) for shape in ((3, 8), (5, 8), (5,)))
-            expected = F.linear(x, w, b)
-            plain = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 8), (5, 8), (5,)))
+            expected = F.linear(x, w, b).float()
+            plain = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "").float()
             blocked = torch.ops.mkldnn._linear_pointwise(
-                x, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_FOR_ROWS), b, "none", [], "")
-            _onednn_works = (torch.backends.mkldnn.is_available() and torch.allclose(plain, expected, atol=1e-5)
-                             and torch.allclose(blocked, expected, atol=1e-5))
+                x, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_FOR_ROWS), b, "none", [], "").float()
+            _onednn_works[dtype] = (torch.backends.mkldnn.is_available() and torch.allclose(plain, expected, atol=atol)
+                                    and torch.allclose(blocked, expected, atol=atol))
         except (AttributeError, RuntimeError, NotImplementedError):
-            _onednn_works = False
-    return _onednn_works
+            _onednn_works[dtype] = False
+    return _onednn_works[dtype]
