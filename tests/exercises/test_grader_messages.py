@@ -619,6 +619,20 @@ def test_exercise_18_lockstep_catches_the_planted_mistake(planted):
         ex18.test_out_of_blocks(preemption_module(**functions), mode)
 
 
+def swap_in_recomputing(scheduler, request, plan):
+    load("solutions", "ex18_preemption").swap_in(scheduler, request, plan)
+    request.num_computed_tokens = 0                      # the bug: the K/V copied back is recomputed
+
+
+def test_exercise_18_names_a_swap_in_that_recomputes():
+    """Caught by the engine runs too, but there as a decode starved by prefills (a scheduler's
+    mistake, not exercise 18's): the swap case names it."""
+    with pytest.raises(pytest.fail.Exception, match=r"case preempt a running request of 2 blocks by swap, then swap it "
+                       r"back in: num_computed_tokens is 0 after swap_in, [1-9]\d* before the swap\n  -> a swapped request "
+                       r"keeps its K/V"):
+        ex18.test_swap_out_and_back_in(preemption_module(swap_in=swap_in_recomputing))
+
+
 def test_exercise_18_never_fails_with_a_bare_assert():
     for planted, (functions, _, _) in PLANTED_18.items():
         for test in unit_tests(ex18, PARAMS_18):
