@@ -235,6 +235,23 @@ def decode_the_new_token_alone(self, token_id):
     return self.tokenizer.decode([token_id])
 
 
+def release_through_the_stop(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    if not piece:
+        return False
+    window = self.pending + piece
+    found = [(at, stop) for stop in self.stop if (at := window.find(stop)) != -1]
+    if found:
+        at, self.stopped_on = min(found)
+        self._release(window[:at + len(self.stopped_on)])   # the bug: the stop string shown with the text
+        self.pending = ""
+        return True
+    keep = max(0, len(window) - self.hold_back)
+    self._release(window[:keep])
+    self.pending = window[keep:]
+    return False
+
+
 PLANTED_14 = {
     "a stop string leaked across tokens": (
         dict(OutputText="add_token", method=search_the_new_piece_only),
@@ -245,6 +262,11 @@ PLANTED_14 = {
         dict(IncrementalDetokenizer="add_token", method=decode_the_new_token_alone),
         ex14.test_a_character_split_over_tokens_waits,
         r"case 'é' split over two tokens.*U\+FFFD \(a half character\) was shown\n  -> a UTF-8 character was split"),
+    "stop text shown": (
+        dict(OutputText="add_token", method=release_through_the_stop),
+        ex14.test_a_stop_string_split_across_tokens_is_never_shown,
+        r"case stop 'STOP' arriving as 'ST' \+ 'OP': the text is 'abSTOP': the stop string is in it\n"
+        r"  -> stop text shown"),
 }
 
 
