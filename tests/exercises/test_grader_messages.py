@@ -418,6 +418,23 @@ def temperature_on_greedy_rows(self, logits, params, seeds, positions):
     return torch.where(torch.tensor([p.greedy for p in params]), x.argmax(dim=-1), drawn)
 
 
+def temperature_after_the_filters(self, logits, params, seeds, positions):
+    solution = load("solutions", "ex16_sampler")
+    device = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    # the bug: filtered on the raw logits, scaled afterwards
+    x = solution.filter_logits(logits.float(), top_k, top_p, min_p) * (1.0 / temperature)[:, None]
+    keys = reference.row_keys(torch.tensor(seeds, dtype=torch.int64, device=device),
+                              torch.tensor(positions, dtype=torch.int64, device=device))
+    token_ids = torch.arange(x.shape[-1], device=device)
+    drawn = (x + reference.gumbel_noise(keys[:, None], token_ids[None, :])).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
 PLANTED_16 = {
     "a seeded draw that depends on batch order": (
         dict(call=noise_from_one_generator), ex16.test_a_seeded_draw_does_not_depend_on_the_batch,
@@ -430,6 +447,10 @@ PLANTED_16 = {
         dict(call=temperature_on_greedy_rows), ex16.test_greedy_rows,
         r"case a batch of greedy rows.*: greedy rows \[.*\] took tokens .*\n"
         r"  -> a greedy row .* takes the argmax of its raw logits: do not divide it by its temperature"),
+    "temperature applied after filtering": (
+        dict(call=temperature_after_the_filters), ex16.test_temperature_scales_before_the_filters,
+        r"case 2000 seeded draws of logits \[2, 1, 0, -1\] at temperature 3, top_p 0.7: tokens drawn \[0, 1\], "
+        r"expected \[0, 1, 2\].*\n  -> temperature applied after filtering"),
 }
 
 
