@@ -560,6 +560,26 @@ def unit_tests(module, params: dict) -> list:
 PARAMS_17 = {"test_preemption_when_out_of_blocks": ("swap",), "test_random_workloads": (0,)}
 
 
+def schedule_on_after_a_preemption(self, now=None):
+    now = self.now() if now is None else now
+    plan = Plan()
+    self.running.sort(key=self.policy_key(now))
+    budget = self._schedule_decodes(plan, self.token_budget, now)
+    budget = self._prefill_budget(plan, budget, now)
+    budget = self._schedule_running_prefills(plan, budget, now)
+    budget = self._schedule_swapped(plan, budget, now)   # the bug: no stop when the step preempted anyone
+    self._schedule_waiting(plan, budget, now)
+    return plan
+
+
+def test_exercise_17_names_a_victim_readmitted_in_the_same_step():
+    """Reported before as a block not freed on recompute (the re-admission's blocks): exercise
+    17 uses llmlab's preempt, which frees them."""
+    with pytest.raises(pytest.fail.Exception, match=r"case out of blocks .*: step \d+: request r\d was preempted and "
+                       r"is scheduled again in the same step .*\n  -> a victim re-admitted at once"):
+        ex17.test_preemption_when_out_of_blocks(scheduler_module(schedule=schedule_on_after_a_preemption), "recompute")
+
+
 def test_exercise_17_never_fails_with_a_bare_assert():
     for planted, (methods, _, _) in PLANTED_17.items():
         for test in unit_tests(ex17, PARAMS_17):
