@@ -98,6 +98,9 @@ def test_a_stop_string_split_across_tokens_is_never_shown(ex):
                              "string was complete",
            "a stop string leaked across tokens: hold back the end of the text that could still be the start of a "
            "stop string (up to len(longest stop) - 1 characters) until the next token decides")
+    expect("STOP" not in text.text, case, f"the text is {text.text!r}: the stop string is in it",
+           "stop text shown: the stop string itself is never part of the text; release only what comes before "
+           "it (the window up to where the stop starts), not through its end")
     expect(stopped_at == 2 and text.text == "ab" and text.stopped_on == "STOP", case,
            f"stopped at token {stopped_at} with text {text.text!r}, stopped_on {text.stopped_on!r}",
            "search pending + the new piece: the stop string ends in the new piece but starts in the held-back "
@@ -107,6 +110,9 @@ def test_a_stop_string_split_across_tokens_is_never_shown(ex):
 def test_a_stop_string_inside_one_token(ex):
     case = "stop 'STOP' inside one token 'xSTOPy'"
     shown, stopped_at, text = stream(ex, STOPS, [1, 5, 4], ["STOP"])
+    expect("STOP" not in text.text, case, f"the text is {text.text!r}: the stop string is in it",
+           "stop text shown: the stop string itself is never part of the text; release only what comes before "
+           "it (the window up to where the stop starts), not through its end")
     expect(stopped_at == 1 and text.text == "abx", case, f"stopped at token {stopped_at} with text {text.text!r}",
            "cut the text before the stop string; nothing after it is shown")
 

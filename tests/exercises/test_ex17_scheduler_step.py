@@ -90,6 +90,12 @@ def check_plan(case: str, step: int, plan, expected, mine: Side, workload: Workl
     config = workload.engine_config()
     where = f"step {step}"
     ids = lambda items: [i.request.request_id for i in items]   # noqa: E731
+    for rid in plan.preempted + plan.swapped_out:
+        if rid in ids(plan.prefills) + ids(plan.decodes):   # its blocks are the re-admission's, not a leak
+            fail(case, [f"{where}: request {rid} was preempted and is scheduled again in the same step "
+                        f"(prefills {ids(plan.prefills)}, decodes {ids(plan.decodes)})",
+                        "-> a victim re-admitted at once: when the step preempted anyone (plan.preempted or "
+                        "plan.swapped_out), the plan is done after phase 2: swapped and waiting wait for the next step"])
     for rid in plan.preempted:
         request = mine.requests[rid]
         if request.block_table or request.num_computed_tokens:

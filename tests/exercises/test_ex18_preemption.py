@@ -60,7 +60,7 @@ def test_swap_out_and_back_in(ex):
     case = "preempt a running request of 2 blocks by swap, then swap it back in"
     side = full_scheduler(ex, "swap")
     s, victim = side.scheduler, side.scheduler.running[-1]
-    device = list(victim.block_table)
+    device, computed = list(victim.block_table), victim.num_computed_tokens
     plan = Plan()
     ex.preempt(s, victim, plan)
     expect([d for d, _ in plan.swap_out_copies] == device and side.blocks.num_free_host_blocks == 6, case,
@@ -86,6 +86,10 @@ def test_swap_out_and_back_in(ex):
            and back.swapped_in == [victim.request_id], case,
            f"status {victim.status.name}, in running: {victim in s.running}, plan.swapped_in {back.swapped_in}",
            "swap_in: off `swapped`, into `running` with status RUNNING, its id in plan.swapped_in")
+    expect(victim.num_computed_tokens == computed, case,
+           f"num_computed_tokens is {victim.num_computed_tokens} after swap_in, {computed} before the swap",
+           "a swapped request keeps its K/V (the copies bring it back): swap out and swap in leave "
+           "num_computed_tokens alone (set to 0, its tokens would be computed again, as after recompute)")
 
 
 def test_make_room_preempts_from_the_right_end(ex):

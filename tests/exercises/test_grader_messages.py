@@ -236,6 +236,23 @@ def decode_the_new_token_alone(self, token_id):
     return self.tokenizer.decode([token_id])
 
 
+def release_through_the_stop(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    if not piece:
+        return False
+    window = self.pending + piece
+    found = [(at, stop) for stop in self.stop if (at := window.find(stop)) != -1]
+    if found:
+        at, self.stopped_on = min(found)
+        self._release(window[:at + len(self.stopped_on)])   # the bug: the stop string shown with the text
+        self.pending = ""
+        return True
+    keep = max(0, len(window) - self.hold_back)
+    self._release(window[:keep])
+    self.pending = window[keep:]
+    return False
+
+
 PLANTED_14 = {
     "a stop string leaked across tokens": (
         dict(OutputText="add_token", method=search_the_new_piece_only),
@@ -246,6 +263,11 @@ PLANTED_14 = {
         dict(IncrementalDetokenizer="add_token", method=decode_the_new_token_alone),
         ex14.test_a_character_split_over_tokens_waits,
         r"case 'é' split over two tokens.*U\+FFFD \(a half character\) was shown\n  -> a UTF-8 character was split"),
+    "stop text shown": (
+        dict(OutputText="add_token", method=release_through_the_stop),
+        ex14.test_a_stop_string_split_across_tokens_is_never_shown,
+        r"case stop 'STOP' arriving as 'ST' \+ 'OP': the text is 'abSTOP': the stop string is in it\n"
+        r"  -> stop text shown"),
 }
 
 
@@ -397,6 +419,23 @@ def temperature_on_greedy_rows(self, logits, params, seeds, positions):
     return torch.where(torch.tensor([p.greedy for p in params]), x.argmax(dim=-1), drawn)
 
 
+def temperature_after_the_filters(self, logits, params, seeds, positions):
+    solution = load("solutions", "ex16_sampler")
+    device = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    # the bug: filtered on the raw logits, scaled afterwards
+    x = solution.filter_logits(logits.float(), top_k, top_p, min_p) * (1.0 / temperature)[:, None]
+    keys = reference.row_keys(torch.tensor(seeds, dtype=torch.int64, device=device),
+                              torch.tensor(positions, dtype=torch.int64, device=device))
+    token_ids = torch.arange(x.shape[-1], device=device)
+    drawn = (x + reference.gumbel_noise(keys[:, None], token_ids[None, :])).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
 PLANTED_16 = {
     "a seeded draw that depends on batch order": (
         dict(call=noise_from_one_generator), ex16.test_a_seeded_draw_does_not_depend_on_the_batch,
@@ -409,6 +448,10 @@ PLANTED_16 = {
         dict(call=temperature_on_greedy_rows), ex16.test_greedy_rows,
         r"case a batch of greedy rows.*: greedy rows \[.*\] took tokens .*\n"
         r"  -> a greedy row .* takes the argmax of its raw logits: do not divide it by its temperature"),
+    "temperature applied after filtering": (
+        dict(call=temperature_after_the_filters), ex16.test_temperature_scales_before_the_filters,
+        r"case 2000 seeded draws of logits \[2, 1, 0, -1\] at temperature 3, top_p 0.7: tokens drawn \[0, 1\], "
+        r"expected \[0, 1, 2\].*\n  -> temperature applied after filtering"),
 }
 
 
@@ -518,6 +561,26 @@ def unit_tests(module, params: dict) -> list:
 PARAMS_17 = {"test_preemption_when_out_of_blocks": ("swap",), "test_random_workloads": (0,)}
 
 
+def schedule_on_after_a_preemption(self, now=None):
+    now = self.now() if now is None else now
+    plan = Plan()
+    self.running.sort(key=self.policy_key(now))
+    budget = self._schedule_decodes(plan, self.token_budget, now)
+    budget = self._prefill_budget(plan, budget, now)
+    budget = self._schedule_running_prefills(plan, budget, now)
+    budget = self._schedule_swapped(plan, budget, now)   # the bug: no stop when the step preempted anyone
+    self._schedule_waiting(plan, budget, now)
+    return plan
+
+
+def test_exercise_17_names_a_victim_readmitted_in_the_same_step():
+    """Reported before as a block not freed on recompute (the re-admission's blocks): exercise
+    17 uses llmlab's preempt, which frees them."""
+    with pytest.raises(pytest.fail.Exception, match=r"case out of blocks .*: step \d+: request r\d was preempted and "
+                       r"is scheduled again in the same step .*\n  -> a victim re-admitted at once"):
+        ex17.test_preemption_when_out_of_blocks(scheduler_module(schedule=schedule_on_after_a_preemption), "recompute")
+
+
 def test_exercise_17_never_fails_with_a_bare_assert():
     for planted, (methods, _, _) in PLANTED_17.items():
         for test in unit_tests(ex17, PARAMS_17):
@@ -618,6 +681,20 @@ def test_exercise_18_lockstep_catches_the_planted_mistake(planted):
     mode = "swap" if "swap" in planted else "recompute"
     with pytest.raises(pytest.fail.Exception, match=hint):
         ex18.test_out_of_blocks(preemption_module(**functions), mode)
+
+
+def swap_in_recomputing(scheduler, request, plan):
+    load("solutions", "ex18_preemption").swap_in(scheduler, request, plan)
+    request.num_computed_tokens = 0                      # the bug: the K/V copied back is recomputed
+
+
+def test_exercise_18_names_a_swap_in_that_recomputes():
+    """Caught by the engine runs too, but there as a decode starved by prefills (a scheduler's
+    mistake, not exercise 18's): the swap case names it."""
+    with pytest.raises(pytest.fail.Exception, match=r"case preempt a running request of 2 blocks by swap, then swap it "
+                       r"back in: num_computed_tokens is 0 after swap_in, [1-9]\d* before the swap\n  -> a swapped request "
+                       r"keeps its K/V"):
+        ex18.test_swap_out_and_back_in(preemption_module(swap_in=swap_in_recomputing))
 
 
 def test_exercise_18_never_fails_with_a_bare_assert():
