@@ -16,10 +16,12 @@ demo: $(STAMP)
 
 # Three pytest processes, not one: a single process that held every test's engines and then
 # ran the notebooks' kernels beside them outgrew a 24 GiB machine (killed by the OOM killer).
+# The notebooks go with tests/notebooks, whose conftest skips nbval's run of a notebook the
+# rerun test already executes.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --durations=25
+	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks --durations=25
 	$(VENV)/bin/python -m pytest tests/exercises --durations=10
-	$(if $(NOTEBOOKS),$(VENV)/bin/python -m pytest --nbval-lax $(NOTEBOOKS) --durations=5)
+	$(VENV)/bin/python -m pytest tests/notebooks --nbval-lax $(NOTEBOOKS) --durations=10
 
 # The inner loop: every test not marked `slow` (no Triton interpreter, no processes, none over
 # ~5 s on a CPU), every folder of tests/ still has some; no notebooks. `make test` runs them all.
