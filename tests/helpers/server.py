@@ -107,17 +107,8 @@ def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
     process = subprocess.Popen([sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), *flags],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
     try:
-        while True:
-            assert process.poll() is None, "the server exited early (see its log)"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(process, url, timeout)
         yield process, url
     finally:
         if process.poll() is None:
@@ -127,6 +118,21 @@ def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def wait_until_healthy(process, url: str, timeout: float, log_path: Path | None = None) -> None:
+    """Poll `url`/health until it answers 200; fail if the process exits first (with its log
+    when given) or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log_path.read_text() if log_path else "the server exited early (see its log)"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
 
 
 def child_pids(pid: int) -> list[int]:

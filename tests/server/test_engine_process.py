@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import llmlab
-from helpers.server import engine_pid, free_port, metrics, process_alive as alive
+from helpers.server import engine_pid, free_port, metrics, process_alive as alive, wait_until_healthy
 
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--log-level", "warning"]
 LONG = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True}
@@ -42,16 +42,7 @@ class Server:
         self.process = subprocess.Popen([sys.executable, "-m", "llmlab.cli", "serve", "--port", str(self.port),
                                          *FLAGS, *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
-        deadline = time.monotonic() + 240
-        while True:
-            assert self.process.poll() is None, self.log_path.read_text()
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(self.process, self.url, 240, self.log_path)
 
     def close(self) -> None:
         if self.process.poll() is None:
