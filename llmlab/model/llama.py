@@ -93,10 +93,7 @@ class LlamaModel:
             return self._plugged_decoder_layers(hidden, residual, positions, batch, kv_cache, kv_scales)
         cfg, b = self.config, batch.backend
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, backend=b), hidden
-            else:
-                x, residual = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual, backend=b)
+            x, residual = self.input_norm(layer, hidden, residual, b)
             scales = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             hidden = self.attention(i, layer, x, positions, batch, kv_cache[i, 0], kv_cache[i, 1], *scales)
             self._tap(f"layers.{i}.attn", hidden)
@@ -159,17 +156,12 @@ class LlamaModel:
         """From the qkv projection [T, (H + 2 Hkv) D] to the attention output [T, H D] that
         o_proj takes: rope, store_kv, then prefill and decode attention."""
         cfg, b = self.config, batch.backend
-        num_tokens, heads, kv_heads, head_dim = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # q, k and v are strided views of qkv, not copies: the kernels take any token stride
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = q.view(num_tokens, heads, head_dim)
-        k = k.view(num_tokens, kv_heads, head_dim)
-        v = v.view(num_tokens, kv_heads, head_dim)
+        q, k, v = self.heads(qkv)
         self._tap(f"layers.{i}.q", q)
         self._tap(f"layers.{i}.k", k)
         self._tap(f"layers.{i}.v", v)
-        p = batch.num_prefill_tokens
-        if p == 0 and num_tokens > 0 and batch.num_splits == 1:
+        num_tokens = q.shape[0]
+        if batch.num_prefill_tokens == 0 and num_tokens > 0 and batch.num_splits == 1:
             # a decode-only step without flash-decoding splits (batch 64 at 512 or 4k tokens):
             # rope, store_kv and decode attention in one kernel on a GPU, the new tokens' keys
             # and values attended to from registers. On the H200 a batch-64 step took 0.1-0.27 ms
@@ -178,10 +170,30 @@ class LlamaModel:
                 q, k, v, positions, cfg.rope_theta, cfg.rope_scaling, k_cache, v_cache, batch.slot_mapping,
                 batch.decode_block_tables, batch.decode_seq_lens, self.scale, batch.num_splits, k_scales, v_scales,
                 backend=b)
-            return out.reshape(num_tokens, heads * head_dim)
-        # rope, then store_kv of the rotated keys and the values: one kernel on a GPU
-        q = kernels.rope_store_kv(q, k, v, positions, cfg.rope_theta, cfg.rope_scaling, k_cache, v_cache,
-                                  batch.slot_mapping, k_scales, v_scales, backend=b)
+            return out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
+        q = self.store(q, k, v, positions, batch.slot_mapping, k_cache, v_cache, k_scales, v_scales, b)
+        return self.attend_stored(q, batch, k_cache, v_cache, k_scales, v_scales)
+
+    def heads(self, qkv):
+        """q [T, H, D], k and v [T, Hkv, D] of the qkv projection: strided views, not copies
+        (the kernels take any token stride)."""
+        cfg = self.config
+        num_tokens, heads, kv_heads, head_dim = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return (q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
+                v.view(num_tokens, kv_heads, head_dim))
+
+    def store(self, q, k, v, positions, slot_mapping, k_cache, v_cache, k_scales=None, v_scales=None, backend=None):
+        """rope, then store_kv of the rotated keys and the values (one kernel on a GPU): the
+        rotated queries [T, H, D]."""
+        cfg = self.config
+        return kernels.rope_store_kv(q, k, v, positions, cfg.rope_theta, cfg.rope_scaling, k_cache, v_cache,
+                                     slot_mapping, k_scales, v_scales, backend=backend)
+
+    def attend_stored(self, q, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
+        """Attention of rotated queries [T, H, D] whose keys and values are in the cache: the
+        prefill chunks' first, then the decoding tokens'. [T, H D]."""
+        num_tokens, p, b = q.shape[0], batch.num_prefill_tokens, batch.backend
         parts = []
         if p > 0:
             parts.append(kernels.prefill_attention(
@@ -192,7 +204,30 @@ class LlamaModel:
                 q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
                 self.scale, batch.num_splits, k_scales, v_scales, backend=b))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out.reshape(num_tokens, heads * head_dim)
+        return out.reshape(num_tokens, self.config.num_heads * self.config.head_dim)
+
+    def input_norm(self, layer: LayerWeights, hidden, residual, backend=None):
+        """(x, residual) entering a layer: rms_norm(hidden + residual); before the first
+        layer the residual is the hidden state itself."""
+        if residual is None:
+            return kernels.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, backend=backend), hidden
+        return kernels.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual, backend=backend)
+
+    # ---- a layer in two pieces: around its attention (engine/piecewise_graphs.py captures them)
+    def layer_head(self, i, hidden, residual, positions, slot_mapping, k_cache, v_cache, k_scales=None,
+                   v_scales=None, backend=None):
+        """Layer i up to its attention: input norm, qkv, rope + store_kv. (q [T, H, D], residual)."""
+        layer = self.layers[i]
+        x, residual = self.input_norm(layer, hidden, residual, backend)
+        q, k, v = self.heads(kernels.linear(x, layer.qkv, layer.qkv_bias, backend=backend))
+        return self.store(q, k, v, positions, slot_mapping, k_cache, v_cache, k_scales, v_scales, backend), residual
+
+    def layer_tail(self, i, attn_out, residual, backend=None):
+        """Layer i after its attention [T, H D]: o_proj, post-attention norm, MLP. (hidden, residual)."""
+        layer = self.layers[i]
+        hidden = kernels.linear(attn_out, layer.o_proj, backend=backend)
+        x, residual = kernels.rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps, residual, backend=backend)
+        return self.mlp(layer, x, backend), residual
 
     # ---- hook points ---------------------------------------------------------------
     @contextlib.contextmanager
