@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from llmlab.config import EngineConfig
 from llmlab.engine.engine import LLMEngine
+from llmlab.engine.warm_up import heap_frozen
 from llmlab.request import RequestOutput
 from llmlab.sampling import SamplingParams
 
@@ -89,25 +90,26 @@ class LLM:
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
-        try:
-            while len(results) < len(ids):
+        with heap_frozen():    # the collector leaves the heap the run started with alone (warm_up.py)
+            try:
+                while len(results) < len(ids):
+                    with self._lock:
+                        # finished in another thread's step, or in the step this thread ran
+                        for rid in wanted & self._finished.keys():
+                            results[rid] = self._finished.pop(rid)
+                            bar.update(1)
+                        if len(results) == len(ids):
+                            break
+                        for out in engine.step():
+                            if out.finished and out.request_id in self._waited_for:
+                                self._finished[out.request_id] = out
+            finally:
+                bar.close()
                 with self._lock:
-                    # finished in another thread's step, or in the step this thread ran
-                    for rid in wanted & self._finished.keys():
-                        results[rid] = self._finished.pop(rid)
-                        bar.update(1)
-                    if len(results) == len(ids):
-                        break
-                    for out in engine.step():
-                        if out.finished and out.request_id in self._waited_for:
-                            self._finished[out.request_id] = out
-        finally:
-            bar.close()
-            with self._lock:
-                for rid in wanted - set(results):   # interrupted: don't leave work behind
-                    engine.abort(rid)
-                    self._finished.pop(rid, None)
-                self._waited_for -= wanted
+                    for rid in wanted - set(results):   # interrupted: don't leave work behind
+                        engine.abort(rid)
+                        self._finished.pop(rid, None)
+                    self._waited_for -= wanted
         return [results[rid] for rid in ids]
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,

@@ -136,6 +136,7 @@ def run_engine_core(config: EngineConfig, policy: str, connection) -> None:
     until the API process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C reaches the whole process group
     from llmlab.engine.engine import LLMEngine
+    from llmlab.engine.warm_up import freeze_heap
     from llmlab.policies import resolve_policy
     from llmlab.server.engine_loop import EngineLoop
 
@@ -147,6 +148,7 @@ def run_engine_core(config: EngineConfig, policy: str, connection) -> None:
         except Exception:    # an exception that does not pickle: its text
             connection.send(("error", RuntimeError(f"{type(err).__name__}: {err}")))
         return
+    freeze_heap()    # the engine lives as long as this process (warm_up.py, "the garbage collector")
     connection.send(("ready", dict(config=engine.config, sizes=engine.sizes, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
                                    model_config=engine.model_config, kv_cache_tokens=engine.kv_cache_tokens,
                                    device=engine.device, kv_stats=engine.kv_stats())))

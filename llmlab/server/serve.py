@@ -171,6 +171,7 @@ def main(args) -> None:
     from llmlab.cli_flags import engine_kwargs
     from llmlab.config import EngineConfig
     from llmlab.engine.engine import LLMEngine
+    from llmlab.engine.warm_up import freeze_heap
     from llmlab.policies import resolve_policy
     from llmlab.server.app import EMBEDDED_MODEL_NAME, create_app
     from llmlab.server.engine_process import EngineProcess
@@ -195,6 +196,7 @@ def main(args) -> None:
     try:
         app = create_app(engine, args.served_model_name, args.api_key, args.max_body_bytes, allowed_hosts_for(args))
         limits = ConnectionLimits(args.timeout_read, args.timeout_keep_alive, args.max_connections)
+        freeze_heap()    # this process serves until it exits (warm_up.py, "the garbage collector")
         serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
     finally:
         if isinstance(engine, EngineProcess):
