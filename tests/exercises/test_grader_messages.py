@@ -167,6 +167,20 @@ def match_leaving_blocks_evictable(self, request):
     return len(matched) * self.block_size
 
 
+def match_keeping_the_table_empty(self, request):
+    if not self.enable_prefix_caching or request.block_table:
+        return 0
+    matched = []
+    for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+        if h not in self.cached_blocks:
+            break
+        matched.append(self.cached_blocks[h])
+    for block in matched:
+        self.evictable.pop(block, None)
+        self.ref_counts[block] += 1                      # the bug: the blocks never enter the block table
+    return len(matched) * self.block_size
+
+
 PLANTED_13 = {
     "a block freed twice": (dict(free=release_twice), ex13.test_free,
                             r"case free a request of 9 tokens.*: block\(s\) \[.*\] are in free_blocks twice\n"
@@ -182,6 +196,11 @@ PLANTED_13 = {
         dict(match_prefix=match_leaving_blocks_evictable), ex13.test_a_freed_cached_block_is_found_again,
         r"case free a cached request, then look its prompt up: block \d+ is held by requests \['1'\] and is in "
         r"evictable too\n  -> .*match_prefix, a matched block whose count was 0 must be taken out of evictable"),
+    "matched blocks left out of the block table": (
+        dict(match_prefix=match_keeping_the_table_empty), ex13.test_match_prefix_shares_cached_blocks,
+        r"case a second prompt sharing the first 8 of 10 tokens: match_prefix found 8 tokens, b's table \[\].*\n"
+        r"  -> the tokens were found but b's block_table is empty: the matched blocks become the request's "
+        r"block_table"),
 }
 
 
