@@ -31,7 +31,8 @@ test-fast: $(STAMP)
 # Grades exercises/ with the same tests that pass on solutions/, each exercise in a process
 # of its own: one that crashes (an out-of-bounds read) or hangs shows in the table, the rest
 # still grade. `make grade EX="ex06 ex07"` grades only those; it exits 1 until every graded
-# exercise passes (`make grade EX=--only-written`: unwritten ones do not count).
+# exercise passes (`make grade EX=--only-written`: unwritten ones do not count). The capstone
+# runs after a full grade, or alone with `make grade EX=capstone`.
 grade: $(STAMP)
 	$(VENV)/bin/python tests/exercises/grade.py $(EX)
 

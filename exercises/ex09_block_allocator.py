@@ -2,7 +2,8 @@
 with reference counts and copy-on-write.  Difficulty: ** (no Triton; Python only)
 
 Read first: notebooks/04_paged_kv_cache.ipynb (and llmlab/cache/block_manager.py, the
-engine's version, which shares full prefix blocks instead of forking).
+engine's version, which shares full prefix blocks instead of forking; it is also exercise
+13's answer: leave it for after that one if you mean to write it).
 
 Task
     PagedAttention (Kwon et al., 2023) stores each sequence's KV cache in fixed-size

@@ -12,8 +12,9 @@ Task
     same API). A request's `block_table[i]` is the block holding its tokens
     i*block_size .. (i+1)*block_size - 1. Full blocks are shared between requests through
     the prefix cache (vLLM's automatic prefix caching): block i's hash covers every token up
-    to the end of block i -- hash((hash of block i-1, the block's tokens)) -- so equal
-    hashes mean equal prefixes. A shared block is never written again (no copy-on-write).
+    to the end of block i -- hash((hash of block i-1, tuple of the block's tokens)), block 0
+    chained from None -- so equal hashes mean equal prefixes. A shared block is never
+    written again (no copy-on-write).
     Write:
       _take_block()          a free block with reference count 1: from free_blocks, or, when
                              none is left, the least recently used evictable block (forget
@@ -27,8 +28,14 @@ Task
                              request.block_hashes (each block is hashed once).
       match_prefix(request)  share the cached blocks of a new request's prompt prefix (at
                              most (num_tokens - 1) // block_size blocks: one token is always
-                             left to compute); returns the tokens found. A block taken out of
-                             `evictable` must leave it.
+                             left to compute), stopping at the first block not cached: they
+                             become its block_table, in order (num_cached_blocks = how many),
+                             one reference more each; returns the tokens found (the
+                             scheduler sets num_computed_tokens from it, not you). A block
+                             taken out of `evictable` must leave it. Counts the blocks it
+                             could have found in prefix_queries, those found in prefix_hits.
+                             A request with a block table already, or prompt_logprobs, finds
+                             nothing (and counts nothing).
       cache_full_blocks(request)   register the blocks that filled since the last call
                              (num_computed_tokens // block_size full blocks).
       swap_out(request)      copy its blocks to host blocks, free the device ones; returns

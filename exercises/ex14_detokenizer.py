@@ -49,8 +49,8 @@ class IncrementalDetokenizer:
     It decodes a short window of tokens twice (with and without the newest ones) and
     returns only the difference; a window ending in an incomplete UTF-8 character
     (decoded as U+FFFD) waits for the next token. Work per token does not grow with the
-    output's length. What of the text is shown, and stop strings, are the output
-    processor's (engine/output.py: OutputText).
+    output's length. What of the text is shown, and stop strings, are OutputText's
+    (below).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):

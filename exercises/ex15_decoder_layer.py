@@ -7,7 +7,9 @@ notebooks/02_rmsnorm_rope_swiglu.ipynb; notebooks/04_paged_kv_cache.ipynb for th
 mapping and block tables. Use: `llmlab.kernels` (rms_norm, linear, rope, store_kv,
 prefill_attention, decode_attention, silu_mul: each one's spec is the function of the same
 name in llmlab/kernels/reference.py), the `ForwardBatch` fields below and `LayerWeights`
-(llmlab/model/llama.py: read the two dataclasses, not the model's own forward).
+(llmlab/model/llama.py: read the two dataclasses, not the model's own forward), and of
+`ModelConfig` (self.config) num_heads, num_kv_heads, head_dim, rms_norm_eps (both norms'
+eps), rope_theta and rope_scaling (rope's `theta` and `scaling`).
 
 Task
     One decoder layer of a LLaMA model (SmolLM2, Llama 3, ...), as HF transformers'
@@ -22,7 +24,8 @@ Task
     batch. And with the residual carried apart, as llmlab's kernels fuse it: the layer gets
     (hidden, residual) and returns (hidden, residual), the true hidden state being their sum
     (residual is None before the first layer: then the input itself is the residual).
-    `kernels.rms_norm(x, w, eps, residual)` returns (rms_norm(x + residual), x + residual).
+    `kernels.rms_norm(x, w, eps, residual)` returns (rms_norm(x + residual), x + residual);
+    with residual None it returns rms_norm(x) alone, not a pair.
     Write:
       mlp(x, backend)        SwiGLU: weights.gate_up holds the gate rows, then the up rows
                              ([2 I, hidden]); silu_mul takes [T, 2 I] -> [T, I]; then down.

@@ -6,12 +6,14 @@ Difficulty: *** (no Triton; Python only; about 90 minutes)
 Read first: notebooks/06_iteration_level_scheduling.ipynb, notebooks/07_chunked_prefill.ipynb
 and notebooks/08_preemption.ipynb; exercise 10 (the chunking policy alone). Use: what your
 Scheduler inherits from llmlab's (llmlab/scheduler.py: __init__, the queues `waiting`,
-`running`, `swapped`, `blocks` (the block manager), `config`, `token_budget`, `policy`,
-`policy_key(now)`, `_prefill_budget`, `_allocate`, and the bookkeeping after the step:
-update, resolve, finish); `self.preemption` (make_room, preempt_for, swap_in: exercise 18,
-llmlab's by default); the `Plan` and `ScheduledItem` of llmlab/plan.py; `Request`
-(llmlab/request.py: num_tokens, num_computed_tokens, num_uncomputed_tokens, is_prefilling,
-status). Nothing else of llmlab/ is needed.
+`running`, `swapped`, `blocks` (the block manager), `config`, `token_budget`, `policy`
+(`policy.admit(request, now)`), `policy_key(now)`, `_prefill_budget`, `_allocate`,
+`at_length_limit`, and the bookkeeping after the step: update, resolve, finish; read only
+those: that file's schedule and _schedule_* are this exercise's answer); `self.preemption`
+(make_room, preempt_for, swap_in: exercise 18, llmlab's by default); the `Plan` and
+`ScheduledItem` of llmlab/plan.py; `Request` (llmlab/request.py: num_tokens,
+num_computed_tokens, num_uncomputed_tokens, is_prefilling, status). Nothing else of
+llmlab/ is needed.
 
 Task
     Every engine step calls schedule(now) and runs the Plan it returns. Write it in four
@@ -34,12 +36,14 @@ Task
          free device blocks: self.preemption.swap_in(self, request, plan), then its prefill
          chunk, or its decode (allocate + one decode item, as in phase 1).
       4. _schedule_waiting: waiting requests, sorted by policy_key, while budget > 0: a request
-         the policy does not admit (only asked while some request runs) is passed over; at
-         max_num_seqs running, or when no chunk fits, preempt_for may make room (it returns
-         the budget given back, or None: stop admitting); a request with no block table first
-         looks its prefix up (blocks.match_prefix: the tokens found are computed; record
-         plan.prefix_hit_tokens and, unless it was preempted before,
-         num_cached_prompt_tokens); then its chunk; admitted: status RUNNING, into `running`.
+         the policy does not admit (self.policy.admit(request, now) is False; only asked
+         while some request runs) is passed over; at max_num_seqs running, or when no chunk
+         fits, preempt_for may make room (it returns the budget given back, or None: stop
+         admitting); a request with no block table first looks its prefix up
+         (blocks.match_prefix fills its block table and returns the tokens found: set
+         num_computed_tokens to them; record plan.prefix_hit_tokens and, unless it was
+         preempted before, num_cached_prompt_tokens); then its chunk; admitted: status
+         RUNNING, into `running`.
     _schedule_prefill(request, budget, plan) -> tokens used (0: none fit): with chunked
     prefill, min(uncomputed tokens, budget, config.long_prefill_token_threshold when set,
     what the request's blocks plus the free blocks can hold); without it, the whole rest or

@@ -6,7 +6,8 @@ Read first: notebooks/10_sampling.ipynb and kernels_explained/sampling.md; exerc
 top-p grows into `filter_logits` here). Use: `SamplingParams` (its fields and `.greedy`),
 llmlab's `Sampler` (llmlab/sampling.py: yours extends it and keeps its other methods) and,
 from llmlab/kernels/reference.py, `row_keys` and `gumbel_noise` only: they define llmlab's
-random numbers, so your seeded draws can equal llmlab's token for token.
+random numbers, so your seeded draws can equal llmlab's token for token. (`filter_logits`
+and `sample`, just below them in that file, are this exercise's answer: stop reading there.)
 
 Task
     The engine calls its sampler once per step with one row of logits per sequence that

@@ -3,6 +3,7 @@ reported in the table and the others are still graded (`make grade` runs this).
 
     .venv/bin/python tests/exercises/grade.py                  grades exercises/
     .venv/bin/python tests/exercises/grade.py ex06 ex07        only those
+    .venv/bin/python tests/exercises/grade.py capstone         only the capstone (or ex17 capstone)
     .venv/bin/python tests/exercises/grade.py --impl=solutions --timeout=900
     .venv/bin/python tests/exercises/grade.py --only-written   unwritten exercises do not fail it
 
@@ -94,17 +95,33 @@ def grade_one(test_file: Path, impl: str, timeout: float, extra: list[str]) -> d
     return grades
 
 
+def select(names: list[str]) -> tuple[list[Path], bool, list[str]]:
+    """The test files and whether the capstone runs, for the names given (none: everything);
+    and the names that match nothing (a typo, or an exercise that does not exist)."""
+    files = sorted(HERE.glob("test_ex[0-9][0-9]_*.py"))
+    if not names:
+        return files, True, []
+    unknown = [name for name in names
+               if name != "capstone" and not any(f.stem.startswith(f"test_{name}") for f in files)]
+    chosen = [f for f in files if any(f.stem.startswith(f"test_{name}") for name in names if name != "capstone")]
+    return chosen, "capstone" in names, unknown
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("exercises", nargs="*", help="e.g. ex06 (default: all)")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("exercises", nargs="*",
+                        help="e.g. ex06, ex06_paged or capstone (default: every exercise, then the capstone)")
     parser.add_argument("--impl", default="exercises", choices=["exercises", "solutions"])
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per exercise before it counts as hung")
     parser.add_argument("--only-written", action="store_true",
                         help="grade only what you wrote: exercises not written yet do not make the exit status 1")
     args, extra = parser.parse_known_args(argv)
-    files = sorted(HERE.glob("test_ex[0-9][0-9]_*.py"))
-    if args.exercises:
-        files = [f for f in files if any(f.stem.startswith(f"test_{name}") for name in args.exercises)]
+    files, run_capstone, unknown = select(args.exercises)
+    if unknown:
+        known = sorted(f.stem.removeprefix("test_")[:4] for f in HERE.glob("test_ex[0-9][0-9]_*.py"))
+        print(f"grade.py: no exercise named {', '.join(unknown)}; the names are {', '.join(known)} and capstone",
+              file=sys.stderr)
+        return 2
     grades: dict[str, Grade] = {}
     for test_file in files:
         print(f"\n=== {test_file.stem.removeprefix('test_')}", flush=True)
@@ -117,7 +134,7 @@ def main(argv=None) -> int:
                          cwd=REPO).returncode
     # the capstone: every engine-component exercise plugged into one engine at once
     capstone = None
-    if not args.exercises:
+    if run_capstone:
         print("\n=== capstone", flush=True)
         capstone = subprocess.run([sys.executable, "-m", "pytest", str((HERE / "test_capstone.py").relative_to(REPO)),
                                    f"--impl={args.impl}", "-q", "-rs", "-p", "no:cacheprovider"],

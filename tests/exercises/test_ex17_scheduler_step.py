@@ -18,6 +18,7 @@ from llmlab import preemption as llmlab_preemption
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.hooks import Recorder
+from llmlab.policies import SchedulingPolicy
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler import Scheduler
 from diagnose import fail
@@ -34,7 +35,7 @@ class Workload:
     config: dict = field(default_factory=dict)   # EngineConfig fields
     num_blocks: int = 64
     num_host_blocks: int = 0
-    policy: str = "fcfs"     # a name in llmlab.policies.POLICIES
+    policy: str | type = "fcfs"     # a name in llmlab.policies.POLICIES, or a SchedulingPolicy class
 
     def engine_config(self) -> EngineConfig:
         settings = dict(max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=False)
@@ -46,7 +47,8 @@ class Workload:
         extra = f", long_prefill_token_threshold {c.long_prefill_token_threshold}" \
             if c.long_prefill_token_threshold else ""
         swap = f", preemption by {c.preemption_mode} ({self.num_host_blocks} host blocks)"
-        policy = "" if self.policy == "fcfs" else f"policy {self.policy}, "
+        name = getattr(self.policy, "name", self.policy)
+        policy = "" if name == "fcfs" else f"policy {name}, "
         return (f"{policy}token budget {c.max_num_batched_tokens}, max_num_seqs {c.max_num_seqs}{extra}, "
                 f"{self.num_blocks} blocks of {BLOCK}{swap}, prefix caching {'on' if c.enable_prefix_caching else 'off'}; "
                 f"requests (arrival step, prompt tokens, max_tokens) {prompts}")
@@ -133,6 +135,15 @@ def check_plan(case: str, step: int, plan, expected, mine: Side, workload: Workl
     if len(running) > config.max_num_seqs:
         fail(case, [f"{where}: {len(running)} requests run, max_num_seqs is {config.max_num_seqs}",
                     "-> admit a waiting request only while fewer than max_num_seqs run (and swap in likewise)"])
+    policy = mine.scheduler.policy
+    expected_ids = ids(expected.prefills) + ids(expected.decodes)
+    refused = [i.request.request_id for i in plan.prefills
+               if i.request.request_id not in expected_ids and not policy.admit(i.request, float(step))]
+    if refused:
+        fail(case, [f"{where}: request(s) {refused} were admitted, but the policy's admit(request, now) refuses "
+                    f"them (llmlab's prefills {ids(expected.prefills)})",
+                    "-> ask self.policy.admit(request, now) of each waiting request while some request runs, and "
+                    "pass over one it refuses (the next one may still be admitted)"])
     victims, expected_victims = plan.preempted + plan.swapped_out, expected.preempted + expected.swapped_out
     if victims != expected_victims:
         arrival = {rid: r.arrival_time for rid, r in mine.requests.items()}
@@ -167,7 +178,16 @@ def run_lockstep(case: str, workload: Workload, scheduler_class=Scheduler, preem
         if step > last_arrival and not reference.scheduler.has_unfinished():
             break
         expected = reference.scheduler.schedule(now=float(step))
-        plan = mine.scheduler.schedule(now=float(step))
+        try:
+            plan = mine.scheduler.schedule(now=float(step))
+        except RuntimeError as error:   # the block manager's allocate: more blocks than are free
+            if "out of KV blocks" not in str(error):
+                raise
+            fail(case, [f"step {step}: the step allocated more blocks than are free ({error})",
+                        "-> every allocation must fit the free blocks: a decode calls preemption.make_room(...) "
+                        "before _allocate (and make_room preempts until blocks_needed <= num_free_blocks), a "
+                        "prompt chunk is at most what the request's blocks plus the free blocks hold (with "
+                        "chunked prefill; without it the whole rest or nothing)"])
         check_plan(case, step, plan, expected, mine, workload)
         reference.finish_step(expected, step)
         mine.finish_step(plan, step)
@@ -196,6 +216,16 @@ def out_of_blocks(mode: str) -> Workload:
                     num_host_blocks=8 if mode == "swap" else 0)
 
 
+class LongPromptsWaitForIdle(SchedulingPolicy):
+    """Admits a prompt of more than 4 tokens only when nothing runs (admit is asked only while
+    some request runs): none of the built-in policies refuses anyone."""
+    name = "long prompts wait for an idle engine"
+
+    def admit(self, request, now):
+        return len(request.prompt_token_ids) <= 4
+
+
+ADMIT = Workload([(0, 3, 4), (0, 10, 2), (0, 3, 2)], policy=LongPromptsWaitForIdle)
 POLICY = Workload([(0, 12, 2), (0, 3, 2), (0, 7, 2), (1, 2, 2)], dict(max_num_batched_tokens=8, max_num_seqs=2),
                   policy="shortest_prompt_first")
 SHARED = list(range(1000, 1008))
@@ -230,6 +260,10 @@ def test_preemption_when_out_of_blocks(ex, mode):
 
 def test_the_policy_orders_the_queues(ex):
     run_lockstep("shortest prompt first", POLICY, ex.Scheduler)
+
+
+def test_the_policy_admits(ex):
+    run_lockstep("a long prompt the policy admits only when nothing runs", ADMIT, ex.Scheduler)
 
 
 def test_prefix_caching(ex):

@@ -60,6 +60,23 @@ def test_exit_status_is_1_while_an_exercise_is_unwritten_or_failing():
     assert exit_status({"ex01": done}, api_ok=False, only_written=True) == 1
 
 
+def test_names_select_exercises_and_the_capstone():
+    """`grade.py capstone` runs the capstone alone; a name that matches no exercise is refused
+    (it used to grade nothing and print an empty table)."""
+    from grade import main, select
+
+    files, capstone, unknown = select([])
+    assert len(files) >= 20 and capstone and not unknown
+    files, capstone, unknown = select(["capstone"])
+    assert files == [] and capstone and not unknown
+    files, capstone, unknown = select(["ex17", "capstone"])
+    assert [f.stem for f in files] == ["test_ex17_scheduler_step"] and capstone and not unknown
+    files, capstone, unknown = select(["ex06"])
+    assert [f.stem for f in files] == ["test_ex06_paged_attention_v1"] and not capstone
+    assert select(["ex31", "ex13"])[2] == ["ex31"]
+    assert main(["ex31"]) == 2
+
+
 def test_a_signature_without_annotations_is_the_same_api():
     from test_same_api import parameters
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import textwrap
 import types
 
 import pytest
@@ -166,6 +167,20 @@ def match_leaving_blocks_evictable(self, request):
     return len(matched) * self.block_size
 
 
+def match_keeping_the_table_empty(self, request):
+    if not self.enable_prefix_caching or request.block_table:
+        return 0
+    matched = []
+    for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+        if h not in self.cached_blocks:
+            break
+        matched.append(self.cached_blocks[h])
+    for block in matched:
+        self.evictable.pop(block, None)
+        self.ref_counts[block] += 1                      # the bug: the blocks never enter the block table
+    return len(matched) * self.block_size
+
+
 PLANTED_13 = {
     "a block freed twice": (dict(free=release_twice), ex13.test_free,
                             r"case free a request of 9 tokens.*: block\(s\) \[.*\] are in free_blocks twice\n"
@@ -181,6 +196,11 @@ PLANTED_13 = {
         dict(match_prefix=match_leaving_blocks_evictable), ex13.test_a_freed_cached_block_is_found_again,
         r"case free a cached request, then look its prompt up: block \d+ is held by requests \['1'\] and is in "
         r"evictable too\n  -> .*match_prefix, a matched block whose count was 0 must be taken out of evictable"),
+    "matched blocks left out of the block table": (
+        dict(match_prefix=match_keeping_the_table_empty), ex13.test_match_prefix_shares_cached_blocks,
+        r"case a second prompt sharing the first 8 of 10 tokens: match_prefix found 8 tokens, b's table \[\].*\n"
+        r"  -> the tokens were found but b's block_table is empty: the matched blocks become the request's "
+        r"block_table"),
 }
 
 
@@ -529,6 +549,33 @@ def chunk_ignoring_the_threshold(self, request, budget, plan):
     return chunk
 
 
+def chunk_past_the_free_blocks(self, request, budget, plan):
+    chunk = min(request.num_uncomputed_tokens, budget)   # the bug: no cap at what the blocks can hold
+    if self.config.long_prefill_token_threshold:
+        chunk = min(chunk, self.config.long_prefill_token_threshold)
+    if chunk <= 0:
+        return 0
+    self._allocate(request, request.num_computed_tokens + chunk, plan)
+    from llmlab.plan import ScheduledItem
+    plan.prefills.append(ScheduledItem(request, "prefill", chunk, request.num_computed_tokens))
+    return chunk
+
+
+def _waiting_without_admit():
+    """The solution's _schedule_waiting with the policy's admit never asked."""
+    solution = load("solutions", "ex17_scheduler_step")
+    source = textwrap.dedent(inspect.getsource(solution.Scheduler._schedule_waiting))
+    line = "if self.running and not self.policy.admit(request, now):"
+    assert source.count(line) == 1, "the solution's admit line moved: update this planted mistake"
+    namespace = dict(vars(solution))
+    exec(source.replace(line, "if False:   # the bug: the policy's admit is never asked"), namespace)
+    return namespace["_schedule_waiting"]
+
+
+def waiting_without_admit(self, plan, budget, now):
+    return _waiting_without_admit()(self, plan, budget, now)
+
+
 PLANTED_17 = {
     "a decode starved by prefills": (
         dict(schedule=prefills_before_decodes), ex17.test_decodes_are_never_starved,
@@ -542,6 +589,15 @@ PLANTED_17 = {
         dict(_schedule_prefill=chunk_ignoring_the_threshold), ex17.test_long_prefill_token_threshold,
         r"case two long prompts under long_prefill_token_threshold.*: step 0: prompt chunk\(s\) \(id, tokens\) "
         r"\[\('r0', 10\).*longer than long_prefill_token_threshold = 4\n  -> a chunk ignored the threshold"),
+    "a chunk past what the free blocks hold": (
+        dict(_schedule_prefill=chunk_past_the_free_blocks),
+        lambda ex: ex17.test_preemption_when_out_of_blocks(ex, "recompute"),
+        r"case out of blocks .*: step \d+: the step allocated more blocks than are free \(out of KV blocks.*\)\n"
+        r"  -> every allocation must fit the free blocks"),
+    "the policy's admit never asked": (
+        dict(_schedule_waiting=waiting_without_admit), ex17.test_the_policy_admits,
+        r"case a long prompt the policy admits only when nothing runs .*: step 0: request\(s\) \['r1'\] were "
+        r"admitted, but the policy's admit\(request, now\) refuses them.*\n  -> ask self.policy.admit"),
 }
 
 
