@@ -39,7 +39,8 @@ grade: $(STAMP)
 # The clients vLLM's users run, for real, against a live `llmlab serve` on the embedded model
 # (tests/server/test_real_clients.py): lm-evaluation-harness and GuideLLM from PyPI, in a venv
 # of their own (they bring their own torch and transformers), offline once installed. Not in
-# `make test`: the first install downloads ~1 GB.
+# `make test`: the first install fetches ~3.2 GB of wheels (2.95 GB of them PyPI's torch with its
+# CUDA libraries, which lm-eval[hf] pulls in), a 6.3 GB venv.
 CLIENTS_VENV := .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
