@@ -4,6 +4,8 @@ thousands of tokens on a CPU)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import signal
 import socket
 import subprocess
 import sys
@@ -99,13 +101,24 @@ def serve_process(flags: list[str], log, env=None, timeout: float = 180):
         yield url
 
 
+def dies_with_parent() -> None:
+    """A Popen preexec_fn: the child gets SIGTERM when the test process dies (Linux's
+    PR_SET_PDEATHSIG), so a server a killed pytest started (out of memory, a timeout) does
+    not live on holding its model; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @contextlib.contextmanager
 def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
     """The same, yielding (the process, its URL): for tests that signal the process
     themselves. At the end it is stopped (SIGTERM, then SIGKILL) unless it has exited."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), *flags],
-                               stdout=log, stderr=subprocess.STDOUT, env=env)
+                               stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=dies_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(process, url, timeout)

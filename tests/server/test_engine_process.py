@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import llmlab
-from helpers.server import engine_pid, free_port, metrics, process_alive as alive, wait_until_healthy
+from helpers.server import dies_with_parent, engine_pid, free_port, metrics, process_alive as alive, wait_until_healthy
 
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--log-level", "warning"]
 LONG = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True}
@@ -41,7 +41,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if k != "LLMLAB_API_KEY"}
         self.process = subprocess.Popen([sys.executable, "-m", "llmlab.cli", "serve", "--port", str(self.port),
                                          *FLAGS, *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=dies_with_parent)
         wait_until_healthy(self.process, self.url, 240, self.log_path)
 
     def close(self) -> None:
