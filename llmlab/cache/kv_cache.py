@@ -46,11 +46,13 @@ class KVCache:
         self.dtype = dtype
         self.bytes_per_block = bytes_per_block(model, block_size, dtype)
         self.device = torch.zeros(*shape, num_device_blocks, *tail, dtype=dtype, device=device)
-        self.host = torch.zeros(*shape, num_host_blocks, *tail, dtype=dtype, pin_memory=pin)
+        # empty, not zeros: a host block is read only after a swap-out wrote it, and on a CPU
+        # untouched pages cost no memory (swap_space's 0.5 GiB was resident in every engine)
+        self.host = torch.empty(*shape, num_host_blocks, *tail, dtype=dtype, pin_memory=pin)
         self.device_scales = self.host_scales = None
         if is_quantized(dtype):
             self.device_scales = torch.zeros(*shape, num_device_blocks, *tail[:2], dtype=SCALE_DTYPE, device=device)
-            self.host_scales = torch.zeros(*shape, num_host_blocks, *tail[:2], dtype=SCALE_DTYPE, pin_memory=pin)
+            self.host_scales = torch.empty(*shape, num_host_blocks, *tail[:2], dtype=SCALE_DTYPE, pin_memory=pin)
 
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
         """Copy (device block, host block) pairs to the host, scales with their blocks."""
