@@ -1,11 +1,19 @@
 """Shared fixtures: the embedded model through llmlab and through HF transformers."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import llmlab.kernels   # noqa: F401  switches Triton's interpreter on (no CUDA) before any test imports
                         # transformers, which imports Triton: Triton reads the switch once, at import
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest-xdist workers on CI's two cores: one torch thread each, not two
+    # threads each fighting over both cores
+    torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
