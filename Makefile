@@ -17,16 +17,17 @@ demo: $(STAMP)
 # Three pytest processes, not one: a single process that held every test's engines and then
 # ran the notebooks' kernels beside them outgrew a 24 GiB machine (killed by the OOM killer).
 # The notebooks go with tests/notebooks, whose conftest skips nbval's run of a notebook the
-# rerun test already executes.
+# rerun test already executes. The first runs on two pytest-xdist workers (-n 2: CI's two
+# cores; one torch thread each, tests/conftest.py): 28 -> 13 minutes on a 2-core AMD EPYC.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks --durations=25
+	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks -n 2 --durations=25
 	$(VENV)/bin/python -m pytest tests/exercises --durations=10
 	$(VENV)/bin/python -m pytest tests/notebooks --nbval-lax $(NOTEBOOKS) --durations=10
 
 # The inner loop: every test not marked `slow` (no Triton interpreter, no processes, none over
 # ~5 s on a CPU), every folder of tests/ still has some; no notebooks. `make test` runs them all.
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest tests -m "not slow"
+	$(VENV)/bin/python -m pytest tests -m "not slow" -n 2
 
 # Grades exercises/ with the same tests that pass on solutions/, each exercise in a process
 # of its own: one that crashes (an out-of-bounds read) or hangs shows in the table, the rest

@@ -100,7 +100,7 @@ def test_right_answers_are_accepted(notebook):
 
 
 @pytest.mark.parametrize("notebook, key, answer, mistake", WRONG,
-                         ids=[f"{n}-{q}-{a!r}"[:40] for n, q, a, _ in WRONG])
+                         ids=[f"{n}-{q}-{i}" for i, (n, q, _, _) in enumerate(WRONG)])   # (a function's repr has its address)
 def test_planted_wrong_answers_are_refused_with_feedback(notebook, key, answer, mistake):
     verdict = teach.grade(notebook, {key: answer})[key]
     assert not verdict.correct
