@@ -53,3 +53,15 @@ def test_a_notebook_copied_alone_to_another_folder_finds_its_data(tmp_path):
     copy.parent.mkdir()
     shutil.copy(NOTEBOOKS / copy.name, copy)
     execute(copy, copy.parent, passes=1)
+
+
+def test_no_notebook_reads_its_data_by_a_path_relative_to_the_working_folder():
+    """What the copy test checks for 05, for every notebook and without running them: data is
+    found through teach.data_file (beside the notebook, else the kit's notebooks/data), never
+    as "data/..." (12 loaded its cost model that way, and a copy of it failed)."""
+    import re
+
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                assert not re.search(r"""["']data/""", cell.source), f"{path.name}: {cell.source[:300]}"
