@@ -13,14 +13,42 @@ def sampler_probabilities(logits, top_p):
     return Sampler.probabilities(logits, [SamplingParams(temperature=1.0, top_p=top_p)] * logits.shape[0])
 
 
+NUCLEUS = ("the nucleus is the smallest set of the most likely tokens whose probabilities add up to at "
+           "least top_p: sort them, most likely first, and keep a token while the mass BEFORE it is < top_p "
+           "(the token that crosses top_p stays)")
+
+
+def test_smallest_set_reaching_top_p(ex):
+    """The case that explains the rule, first: probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled
+    order) and top_p 0.7: 0.5 alone is short of 0.7, 0.5 + 0.3 reaches it, so two tokens."""
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    kept = (ex.top_p_filter(logits, 0.7) != float("-inf")).tolist()[0]
+    if kept != [False, True, False, True]:
+        names = [p for p, k in zip(("0.15", "0.5", "0.05", "0.3"), kept) if k]
+        hint = NUCLEUS
+        if names == ["0.5"]:
+            hint = "the token that crosses top_p (0.3: 0.5 + 0.3 = 0.8 >= 0.7) was dropped; " + NUCLEUS
+        elif kept[0] and not kept[3]:
+            hint = "the cut follows the order the tokens come in, not their probabilities; " + NUCLEUS
+        pytest.fail(f"case probabilities 0.15, 0.5, 0.05, 0.3 with top_p 0.7: kept {names or 'nothing'}, "
+                    f"expected 0.5 and 0.3\n  -> {hint}", pytrace=False)
+
+
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99, 1.0])
 def test_matches_the_sampler(ex, top_p):
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
     filtered = ex.top_p_filter(logits, top_p)
     assert filtered.shape == logits.shape
     kept = filtered != float("-inf")
-    assert torch.equal(filtered[kept], logits[kept]), "kept logits must be unchanged"
-    torch.testing.assert_close(filtered.softmax(-1), sampler_probabilities(logits, top_p), atol=1e-7, rtol=1e-6)
+    if not torch.equal(filtered[kept], logits[kept]):
+        pytest.fail(f"case 4 rows of 1000 random logits, top_p {top_p}: a kept logit changed\n  -> top_p only "
+                    f"removes tokens (sets them to -inf); the kept ones keep their logits", pytrace=False)
+    expected = sampler_probabilities(logits, top_p)
+    counts, wanted = kept.sum(-1).tolist(), (expected > 0).sum(-1).tolist()
+    if counts != wanted:
+        pytest.fail(f"case 4 rows of 1000 random logits, top_p {top_p}: kept {counts} tokens per row, the "
+                    f"Sampler keeps {wanted}\n  -> {NUCLEUS}", pytrace=False)
+    torch.testing.assert_close(filtered.softmax(-1), expected, atol=1e-7, rtol=1e-6)
 
 
 def test_always_keeps_the_most_likely_token(ex):
@@ -28,13 +56,6 @@ def test_always_keeps_the_most_likely_token(ex):
     filtered = ex.top_p_filter(logits, 1e-6)
     assert (filtered != float("-inf")).sum(-1).tolist() == [1, 1]
     assert filtered[0, 1] == 10.0 and filtered[1, 3] == 5.3
-
-
-def test_smallest_set_reaching_top_p(ex):
-    # probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled order): 0.5 + 0.3 >= 0.7, so two tokens
-    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
-    filtered = ex.top_p_filter(logits, 0.7)
-    assert (filtered != float("-inf")).tolist() == [[False, True, False, True]]
 
 
 def test_one_top_p_per_row(ex):

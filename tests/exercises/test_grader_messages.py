@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import test_ex09_block_allocator as ex09
+import test_ex11_top_p as ex11
 import test_ex12_quantized_store_kv as ex12
 import test_ex13_block_manager as ex13
 import test_ex14_detokenizer as ex14
@@ -85,6 +86,38 @@ def test_exercise_09_never_fails_with_a_bare_assert():
                 assert str(report).startswith("case "), str(report)
             except AssertionError as error:
                 pytest.fail(f"{test.__name__} with {sorted(methods)} planted: a bare assert ({error})")
+
+
+# ---- exercise 11: two nuclei cut in the wrong place ---------------------------------------------------
+def nucleus(logits, top_p, keep_rule, sort=True):
+    """A top-p filter whose kept set is keep_rule(cumulative mass, probabilities) over the
+    probabilities, sorted most likely first (or in the order the tokens come in)."""
+    top_p = torch.as_tensor(top_p, dtype=torch.float32).reshape(-1, 1)
+    probs = logits.softmax(-1)
+    order = probs.argsort(dim=-1, descending=True) if sort else torch.arange(probs.shape[-1]).expand_as(probs)
+    ranked = probs.gather(-1, order)
+    keep = keep_rule(ranked.cumsum(-1), ranked, top_p)
+    keep[:, 0] = True
+    return logits.masked_fill(~torch.zeros_like(keep).scatter(-1, order, keep), float("-inf"))
+
+
+PLANTED_11 = {
+    # the bug: keeps a token while the mass up to and including it is < top_p
+    "the crossing token dropped": (lambda x, p: nucleus(x, p, lambda cum, ranked, p: cum < p),
+                                   r"(?s)kept \['0.5'\].*the token that crosses top_p \(0.3"),
+    # the bug: the cumulative mass in the tokens' own order, never sorted
+    "never sorted": (lambda x, p: nucleus(x, p, lambda cum, ranked, p: cum - ranked < p, sort=False),
+                     r"the cut follows the order the tokens come in"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_11))
+def test_exercise_11_names_the_planted_mistake(planted):
+    top_p_filter, message = PLANTED_11[planted]
+    with pytest.raises(pytest.fail.Exception, match=message):
+        ex11.test_smallest_set_reaching_top_p(types.SimpleNamespace(top_p_filter=top_p_filter))
+    with pytest.raises(pytest.fail.Exception, match=r"kept \[.*\] tokens per row, the Sampler keeps"):
+        ex11.test_matches_the_sampler(types.SimpleNamespace(top_p_filter=top_p_filter), 0.9)
 
 
 # ---- exercise 12: the scale of every kv head written at head 0 ---------------------------------------
