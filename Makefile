@@ -18,7 +18,8 @@ demo: $(STAMP)
 # ran the notebooks' kernels beside them outgrew a 24 GiB machine (killed by the OOM killer).
 # The notebooks go with tests/notebooks, whose conftest skips nbval's run of a notebook the
 # rerun test already executes. The first runs on two pytest-xdist workers (-n 2: CI's two
-# cores; one torch thread each, tests/conftest.py): 28 -> 13 minutes on a 2-core AMD EPYC.
+# cores; one torch thread each, tests/conftest.py): 28 -> 12 minutes on a 2-core AMD EPYC, the
+# whole of make test 22 minutes from a clean clone (CI took 41).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks -n 2 --durations=25
 	$(VENV)/bin/python -m pytest tests/exercises --durations=10
