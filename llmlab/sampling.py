@@ -109,6 +109,22 @@ def _top_k(k: int, vocab: int) -> int:
     return k if 0 < k < vocab else -1
 
 
+def _to_device(columns: list, device, dtype=torch.float32) -> torch.Tensor:
+    """Per-row numbers (a list, or a list of columns) as a `dtype` tensor on `device`. On a GPU
+    through pinned memory and a non-blocking copy: `torch.tensor(..., device="cuda")` waits for the device
+    to finish its queue, and in an overlapped step that queue holds the next step's forward
+    (a wait per step cost sampled requests with logprobs a fifth of their throughput)."""
+    host = torch.tensor(columns, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _cuts(p: SamplingParams, vocab: int) -> bool:
+    """Whether a filter (top-k, top-p, min-p) can cut tokens from p's distribution."""
+    return not p.greedy and (_top_k(p.top_k, vocab) != -1 or p.top_p < 1 or p.min_p > 0)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -184,12 +200,12 @@ class Sampler:
         x = logits.float()
         if all(p.greedy or (p.temperature == 1 and p.top_k == -1 and p.top_p == 1 and p.min_p == 0) for p in params):
             return x   # nothing to scale or cut: skip the vocabulary-wide filter
-        device = logits.device
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        top_k = torch.tensor([-1 if p.greedy else _top_k(p.top_k, x.shape[-1]) for p in params], device=device)
-        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
-        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device)
-        return kernels.filter_logits(x * (1.0 / temperature)[:, None], top_k, top_p, min_p, backend=self.backend)
+        temperature, top_k, top_p, min_p = _to_device(
+            [[1.0 if p.greedy else p.temperature for p in params],
+             [-1 if p.greedy else _top_k(p.top_k, x.shape[-1]) for p in params],
+             [1.0 if p.greedy else p.top_p for p in params],
+             [0.0 if p.greedy else p.min_p for p in params]], logits.device)
+        return kernels.filter_logits(x * (1.0 / temperature)[:, None], top_k.int(), top_p, min_p, backend=self.backend)
 
     def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], sampled: torch.Tensor):
         """The sampled tokens' log-probabilities for the rows whose params ask for them
@@ -199,8 +215,18 @@ class Sampler:
         if not rows:
             return None
         picked = rows if len(rows) < len(params) else slice(None)
-        x = self.processed_logits(logits[picked], [params[i] for i in rows])
-        return token_logprobs(x, sampled[picked], rows, [params[i].logprobs for i in rows])
+        asking = [params[i] for i in rows]
+        ks = [p.logprobs for p in asking]
+        vocab = logits.shape[-1]
+        if not any(_cuts(p, vocab) for p in asking):
+            # no filter cuts a token: the processed logits are the raw ones times 1/temperature,
+            # which the kernel applies as it reads them (no float copy, no sort)
+            scale = None
+            if not all(p.greedy or p.temperature == 1 for p in asking):
+                scale = 1.0 / _to_device([[1.0 if p.greedy else p.temperature for p in asking]], logits.device)[0]
+            return token_logprobs(logits[picked], sampled[picked], rows, ks, scale, backend=self.backend)
+        x = self.processed_logits(logits[picked], asking)
+        return token_logprobs(x, sampled[picked], rows, ks, backend=self.backend)
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -239,21 +265,22 @@ class TokenLogprobs:
     def entries(self, tensors=None) -> list:
         """One TokenLogprob per row (from `tensors`: host copies of self.tensors)."""
         chosen_ids, chosen, top_ids, top = (t.tolist() for t in (tensors or self.tensors))
+        width = len(top_ids[0]) if top_ids else 0
+        if all(k == width for k in self.ks):   # the common case, built without a Python loop: 2x faster
+            return list(map(TokenLogprob, chosen_ids, chosen, map(list, map(zip, top_ids, top))))
         return [TokenLogprob(t, lp, list(zip(ids[:k], lps[:k])))
                 for t, lp, ids, lps, k in zip(chosen_ids, chosen, top_ids, top, self.ks)]
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list, ks: list[int]) -> TokenLogprobs:
-    """logits [R, V] (float), token_ids [R] -> the tokens' log-probabilities under
-    log_softmax(logits) and each row's `ks[i]` most likely tokens, most likely first."""
-    # log_softmax(x) = x - logsumexp(x): only the gathered and top-k entries are ever needed,
-    # so the [R, V] log-probabilities are never written out
-    x = logits.float()
-    log_z = x.logsumexp(dim=-1, keepdim=True)
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list, ks: list[int],
+                   scale: torch.Tensor | None = None, backend: str | None = None) -> TokenLogprobs:
+    """logits [R, V], token_ids [R] -> the tokens' log-probabilities under
+    log_softmax(logits * scale) and each row's `ks[i]` most likely tokens, most likely first
+    (`kernels.token_logprobs`: only the gathered and top-k entries are ever computed, the
+    [R, V] log-probabilities are never written out)."""
     token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
-    chosen = (x.gather(1, token_ids[:, None]) - log_z)[:, 0]
-    top, top_ids = x.topk(max(ks, default=0), dim=-1)
-    return TokenLogprobs(rows, token_ids, chosen, top_ids, top - log_z, ks)
+    chosen, top_ids, top = kernels.token_logprobs(logits, token_ids, max(ks, default=0), scale, backend=backend)
+    return TokenLogprobs(rows, token_ids, chosen, top_ids, top, ks)
 
 
 # ---- prompt logprobs: extra logits rows of a step (`plan`: the scheduler's Plan, plan.py) ----
@@ -284,4 +311,4 @@ def prompt_token_logprobs(logits: torch.Tensor, plan) -> TokenLogprobs | None:
         ks += [request.params.prompt_logprobs] * (end - first)
     if not rows:
         return None
-    return token_logprobs(logits, torch.tensor(targets, device=logits.device), rows, ks)
+    return token_logprobs(logits, _to_device(targets, logits.device, torch.int64), rows, ks)

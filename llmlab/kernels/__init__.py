@@ -197,6 +197,16 @@ def filter_logits(x, top_k, top_p, min_p, *, backend=None):
     return reference.filter_logits(x, top_k, top_p, min_p)
 
 
+def token_logprobs(logits, token_ids, num_top, scale=None, *, backend=None):
+    """Log-probabilities of chosen tokens under log_softmax(logits * scale) and each row's
+    `num_top` most likely tokens (`reference.token_logprobs`): what `SamplingParams.logprobs`
+    and `prompt_logprobs` return. Not a contract kernel one overrides (like `filter_logits`):
+    "triton" reads the logits once (`triton/logprobs.py`), the others run the spec."""
+    if (backend or default_backend()) == "triton":
+        return _triton_module("logprobs").token_logprobs(logits, token_ids, num_top, scale)
+    return reference.token_logprobs(logits, token_ids, num_top, scale)
+
+
 def rms_norm(x, weight, eps, residual=None, *, backend=None):
     return _call("rms_norm", backend, x, weight, eps, residual)
 

@@ -337,6 +337,24 @@ def filter_logits(x, top_k, top_p, min_p):
     return x.masked_fill(x < cut, float("-inf"))
 
 
+def token_logprobs(logits, token_ids, num_top, scale=None):
+    """Log-probabilities under log_softmax(logits * scale): each row's `token_ids` entry, and its
+    `num_top` most likely tokens, most likely first (what `SamplingParams.logprobs` returns).
+
+    logits [R, V] (any float dtype; -inf where a filter cut a token); token_ids int64 [R];
+    scale float32 [R] or None (1: the model's own scores; 1 / temperature: a temperature-only
+    sampler's). Returns (chosen float32 [R], top_ids int64 [R, num_top], top float32 [R, num_top]).
+    Among tied values the order of `top_ids` is unspecified. See kernels_explained/sampling.md.
+    """
+    x = logits.float()
+    if scale is not None:
+        x = x * scale.to(x.device)[:, None]
+    log_z = x.logsumexp(dim=-1, keepdim=True)
+    chosen = (x.gather(1, token_ids.to(x.device)[:, None]) - log_z)[:, 0]
+    top, top_ids = x.topk(num_top, dim=-1)
+    return chosen, top_ids, top - log_z
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     """One token per row: the argmax where temperature is 0, else a draw from the softmax of
     logits / temperature restricted by `filter_logits`, by the Gumbel-max trick

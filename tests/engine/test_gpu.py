@@ -75,3 +75,33 @@ def test_sampled_requests_replay_the_sampler_graphs_captured_at_start():
     while engine.has_unfinished_requests():
         engine.step()
     assert {key: graph for key, graph in triton_sample_graph._graphs.items() if captured.get(key) is not graph} == {}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.8, seed=3, logprobs=5, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, logprobs=5, ignore_eos=True),
+], ids=["greedy", "temperature", "top_p"])
+def test_triton_logprobs_match_the_torch_backend_fp32(params):
+    """The logprobs of the Triton engine (kernels.token_logprobs for unfiltered rows, the spec's
+    filter for top-p rows) equal the torch backend's (reference ops) on the same model."""
+    def run(backend):
+        config = EngineConfig(device="cuda", dtype="float32", backend=backend, enforce_eager=True,
+                              num_gpu_blocks=512, max_num_seqs=16, max_num_batched_tokens=1024)
+        model = LlamaModel.random(ModelConfig.from_hf(SMALL_LLAMA3), torch.float32, "cuda", seed=1)
+        engine = LLMEngine(config, model=model)
+        gen = torch.Generator().manual_seed(0)
+        ids = [engine.add_request(torch.randint(16, 32000, (n,), generator=gen).tolist(), params)
+               for n in (5, 17, 40, 300)]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    for mine, spec in zip(run("triton"), run("torch")):
+        assert mine.token_ids == spec.token_ids
+        for a, b in zip(mine.logprobs, spec.logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
