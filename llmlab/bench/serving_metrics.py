@@ -97,6 +97,9 @@ def format_result(result: dict, percentile_metrics=("ttft", "tpot", "itl"), perc
               number.format("Total Token throughput (tok/s):", result["total_token_throughput"])]
     if "max_concurrent_requests" in result:
         lines.append(label.format("Peak concurrent requests:", result["max_concurrent_requests"]))
+    if "client_cpu_share" in result:    # llmlab's: how busy the client itself was
+        busy = "  (the client set the pace)" if result["client_cpu_share"] > 0.8 else ""
+        lines.append(number.format("Client CPU share:", result["client_cpu_share"]) + busy)
     for key, field_name, name, header in VLLM_METRICS:
         stats = result.get(field_name)
         if key not in percentile_metrics or not stats:
