@@ -21,7 +21,7 @@ from collections import defaultdict
 import pytest
 
 from grading import DEVICE, SMOKE_CALLS, TRITON_EXERCISES, load
-from report import Grade, exercise_of, table
+from report import Grade, exercise_of, failure_hint, table
 
 _grades: dict[str, Grade] = defaultdict(Grade)   # exercise -> what its tests did
 # grade.py runs each exercise in a process of its own and sets this: every test's start and
@@ -124,9 +124,7 @@ def pytest_runtest_setup(item):
         try:
             call(module)
         except NotImplementedError as error:
-            _grades[exercise].not_written = True
-            if _EVENTS:
-                _event(nodeid=item.nodeid, not_written=True)
+            _not_written(item.nodeid, exercise, error)
             pytest.skip(f"exercises/{exercise}.py: not written yet ({error})")
         except Exception:   # noqa: BLE001 -- written but wrong: the test itself will say how
             return
@@ -140,10 +138,17 @@ def pytest_runtest_call(item):
         exercise = exercise_of(item.nodeid)
         if item.config.getoption("--impl") != "exercises" or exercise is None:
             raise
-        _grades[exercise].not_written = True
-        if _EVENTS:
-            _event(nodeid=item.nodeid, not_written=True)
+        _not_written(item.nodeid, exercise, error)
         pytest.skip(f"exercises/{exercise}.py: not written yet ({error})")
+
+
+def _not_written(nodeid: str, exercise: str, error: NotImplementedError) -> None:
+    """An exercise's skeleton raised: note it, and its message (what to write first)."""
+    grade = _grades[exercise]
+    grade.not_written = True
+    grade.hint(str(error))
+    if _EVENTS:
+        _event(nodeid=nodeid, not_written=True, hint=str(error))
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -159,8 +164,10 @@ def pytest_runtest_logreport(report):
     if outcome == "skipped" and "gpu" in report.keywords and DEVICE == "cpu":
         outcome = "needs_gpu"   # graded where CUDA exists: neither a failure nor the student's to do
     _grades[exercise].add(report.when, outcome)
+    hint = failure_hint(report) if outcome == "failed" else None
+    _grades[exercise].hint(hint)
     if _EVENTS:
-        _event(nodeid=report.nodeid, when=report.when, outcome=outcome)
+        _event(nodeid=report.nodeid, when=report.when, outcome=outcome, hint=hint)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

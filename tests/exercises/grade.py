@@ -85,8 +85,10 @@ def grade_one(test_file: Path, impl: str, timeout: float, extra: list[str]) -> d
                 running = event["nodeid"]
             elif event.get("not_written"):
                 grades[exercise_of(event["nodeid"])].not_written = True
+                grades[exercise_of(event["nodeid"])].hint(event.get("hint"))
             else:
                 grades[exercise_of(event["nodeid"])].add(event["when"], event["outcome"])
+                grades[exercise_of(event["nodeid"])].hint(event.get("hint"))
                 if event["when"] == "teardown":
                     running = None
     crash = crash_message(returncode, timeout, running)

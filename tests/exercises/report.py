@@ -24,6 +24,20 @@ class Grade:
     counts: Counter = field(default_factory=Counter)
     not_written: bool = False       # a test hit the exercise's NotImplementedError
     crashed: str | None = None      # why its process died (grade.py only)
+    first_hint: str | None = None   # what to check next: the first failure's message, or what to write
+
+    def hint(self, text: str | None) -> None:
+        if text and self.first_hint is None:
+            self.first_hint = text
+
+    def next_step(self, exercise: str) -> str:
+        """What to check next, in one line (below the exercise's status in the table)."""
+        if self.crashed:
+            return f"run it alone to see where: pytest tests/exercises/test_{exercise}.py --impl=exercises -x"
+        if self.counts["failed"] or (self.not_written and not self.counts["passed"]) or self.counts["skipped"]:
+            line = " ".join((self.first_hint or "").split())
+            return line[:117] + "..." if len(line) > 120 else line
+        return ""
 
     def add(self, when: str, outcome: str) -> None:
         if when == "call" or outcome != "passed":   # setup errors and skips count too
@@ -47,8 +61,24 @@ class Grade:
         return f"done     {counts['passed']} passed{gpu}"
 
 
+def failure_hint(report) -> str | None:
+    """The first line of a failed test's message (the graders' messages name the mistake
+    there), after the test's short name."""
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    message = getattr(crash, "message", None) or str(getattr(report, "longrepr", "") or "")
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    first = first.removeprefix("AssertionError: ").removeprefix("assert ")
+    name = report.nodeid.split("::")[-1]
+    return f"{name}: {first}" if first else name
+
+
 def table(grades: dict[str, Grade], impl: str) -> list[str]:
-    lines = [f"  {exercise:26s} {grades[exercise].status()}" for exercise in sorted(grades)]
+    lines = []
+    for exercise in sorted(grades):
+        lines.append(f"  {exercise:26s} {grades[exercise].status()}")
+        step = grades[exercise].next_step(exercise)
+        if step:
+            lines.append(f"  {'':26s}   next: {step}")
     if impl == "exercises" and any(g.not_written for g in grades.values()):
         lines.append("  (a skipped test's exercise still raises NotImplementedError: see exercises/README.md)")
     if any(g.crashed for g in grades.values()):

@@ -35,9 +35,12 @@ def test_a_segfault_is_reported_and_a_hang_times_out(tmp_path):
     grades = {**grade_one(tmp_path / "test_ex98_crash.py", "solutions", timeout=120, extra=[]),
               **grade_one(tmp_path / "test_ex99_hang.py", "solutions", timeout=5, extra=[])}
     lines = table(grades, "solutions")
-    assert lines[0].split()[:2] == ["ex98_crash", "CRASHED"] and "SIGSEGV" in lines[0]
-    assert "out-of-bounds read" in lines[0]
-    assert lines[1].split()[:2] == ["ex99_hang", "HUNG"] and "no result after 5 s" in lines[1]
+    status = [line for line in lines if "next:" not in line]
+    assert status[0].split()[:2] == ["ex98_crash", "CRASHED"] and "SIGSEGV" in status[0]
+    assert "out-of-bounds read" in status[0]
+    assert status[1].split()[:2] == ["ex99_hang", "HUNG"] and "no result after 5 s" in status[1]
+    # what to check next: the test file to run alone
+    assert "next: run it alone to see where: pytest tests/exercises/test_ex98_crash.py" in lines[1]
 
 
 def test_exit_status_is_1_while_an_exercise_is_unwritten_or_failing():
@@ -96,6 +99,9 @@ def test_grading_the_unwritten_exercises_exits_1():
     grader = Path(__file__).parent / "grade.py"
     result = subprocess.run([sys.executable, str(grader), "ex09"], capture_output=True, text=True, timeout=300)
     assert "to do" in result.stdout and result.returncode == 1, result.stdout[-2000:]
+    # the table says what to write first: the skeleton's own message
+    table_part = result.stdout[result.stdout.index("llmlab exercises: grading"):]
+    assert "next: ex09: write BlockAllocator." in table_part, table_part
     result = subprocess.run([sys.executable, str(grader), "ex09", "--only-written"], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-2000:]
@@ -123,3 +129,26 @@ def test_exercise_20_on_a_cpu_grades_its_pure_part_and_says_the_rest_needs_cuda(
     grades = grade_one(Path(__file__).parent / "test_ex20_cuda_graphs.py", "solutions", timeout=300, extra=[])
     [line] = table(grades, "solutions")
     assert line.split()[:3] == ["ex20_cuda_graphs", "done", "3"] and "need a CUDA device" in line, line
+
+
+def test_the_table_says_what_to_check_next():
+    """The grade table's "next:" line under an exercise not done: the first failure's message
+    (the graders name the mistake in its first line), after its test's name; nothing under a
+    passing exercise."""
+    from types import SimpleNamespace
+
+    from report import Grade, failure_hint
+
+    crash = SimpleNamespace(message="AssertionError: ex11: the token that crosses top_p was dropped\nassert 3 == 4")
+    report = SimpleNamespace(nodeid="tests/exercises/test_ex11_top_p.py::test_explaining_case",
+                             longrepr=SimpleNamespace(reprcrash=crash))
+    assert failure_hint(report) == "test_explaining_case: ex11: the token that crosses top_p was dropped"
+    failing, done = Grade(), Grade()
+    failing.add("call", "failed")
+    failing.hint(failure_hint(report))
+    failing.hint("a later failure")              # the first one stays
+    done.add("call", "passed")
+    lines = table({"ex11_top_p": failing, "ex01_rms_norm": done}, "exercises")
+    assert lines[0].split()[:2] == ["ex01_rms_norm", "done"] and lines[1].split()[:2] == ["ex11_top_p", "FAILING"]
+    assert lines[2].strip() == "next: test_explaining_case: ex11: the token that crosses top_p was dropped"
+    assert len(lines) == 3
