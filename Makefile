@@ -17,12 +17,13 @@ demo: $(STAMP)
 # Three pytest processes, not one: a single process that held every test's engines and then
 # ran the notebooks' kernels beside them outgrew a 24 GiB machine (killed by the OOM killer).
 # The notebooks go with tests/notebooks, whose conftest skips nbval's run of a notebook the
-# rerun test already executes. The first runs on two pytest-xdist workers (-n 2: CI's two
-# cores; one torch thread each, tests/conftest.py): 28 -> 12 minutes on a 2-core AMD EPYC, the
-# whole of make test 22 minutes from a clean clone (CI took 41).
+# rerun test already executes. The first two run on two pytest-xdist workers (-n 2: CI's two
+# cores; one torch thread each, tests/conftest.py): 28 -> 12 minutes on a 2-core AMD EPYC for
+# the first, 3.6 -> 2.2 for the exercises (the latter with other work beside it); the whole of
+# make test took 22 minutes from a clean clone with only the first on two workers (CI took 41).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks -n 2 --durations=25
-	$(VENV)/bin/python -m pytest tests/exercises --durations=10
+	$(VENV)/bin/python -m pytest tests/exercises -n 2 --durations=10
 	$(VENV)/bin/python -m pytest tests/notebooks --nbval-lax $(NOTEBOOKS) --durations=10
 
 # The inner loop: every test not marked `slow` (no Triton interpreter, no processes, none over
