@@ -34,7 +34,8 @@ RIGHT = {
     "05": {"q1": 15,            # one 32-key tile: split 0 only
            "q2": 2,             # 512 tiles, ceil(512 / 66) = 8 per split: 64 splits used
            "q3": 96},           # 3 sequences x 2 kv heads x 16
-    "06": {"q1": 4, "q2": 31, "q3": "b"},
+    "06": {"q1": 4, "q2": 31, "q3": "b",
+           "q4": (1, 14)},      # held back a step while request 0 computes the shared 24 tokens, then 38 - 24
     "07": {"q1": 33,            # 226 prompt tokens in chunks of 8 - 3 decodes = 5
            "q2": 469,           # 466 prompt tokens + 3 decodes
            "q3": 3},            # the long prompt arrives at step 3
@@ -68,7 +69,8 @@ WRONG = [
     ("03", "q3", math.exp(0.5), "other way round"),
     ("04", "q1", 4.8, "ceil"), ("04", "q2", 3, "always compute"), ("04", "q3", 3, "decoded tokens"),
     ("05", "q1", 16, "some split"), ("05", "q2", 0, "66 x"), ("05", "q3", 192, "kv head"), ("05", "q3", 108, "combine"),
-    ("06", "q1", 2, "arrives"), ("06", "q2", 12, "without chunking"), ("06", "q3", "a", "whole step"),
+    ("06", "q1", 2, "arrives"), ("06", "q4", (0, 38), "very step"), ("06", "q4", (1, 38), "shares them"),
+    ("06", "q4", (1, 24), "found in the cache"), ("06", "q2", 12, "without chunking"), ("06", "q3", "a", "whole step"),
     ("07", "q1", 29, "chunk = budget - decodes"), ("07", "q2", 466, "three decodes"), ("07", "q3", 4, "from 0"),
     ("08", "q1", 0, "another way"), ("08", "q2", 29, "prefix caching on"), ("08", "q2", 24, "only the prompts"),
     ("08", "q3", 1, "20 blocks"), ("08", "q4", "3", "FCFS"),
