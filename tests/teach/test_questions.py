@@ -7,12 +7,20 @@ import math
 import pytest
 
 from llmlab import teach
+from llmlab.experiments import CostModel
 
 
 def short_prompts_first(request):        # notebook 12's task, done right
     num_tokens = len(request.prompt_token_ids)
     return (num_tokens > 512, num_tokens if num_tokens <= 512 else request.arrival_time)
 
+
+# notebook 12's q6 wants a CPU calibration made by `llmlab bench calibrate --preset cpu` (minutes):
+# stand-ins with the meta the command writes, and the H200's, which is not one
+CPU_CALIBRATION = CostModel({"intercept": 0.02, "decode_tokens": 1e-3, "prefill_tokens": 2e-4, "num_prefills": 1e-3},
+                            {"device": "cpu", "recorded_with": "llmlab bench calibrate --preset cpu"})
+TINY_CALIBRATION = CostModel({"intercept": 1e-3}, {"device": "cpu", "recorded_with": "llmlab bench calibrate --preset tiny"})
+H200_CALIBRATION = CostModel.load(teach.data_file("h200_cost_model_llama3_8b.json"))
 
 INF_RATE_RESULT = {"rate": math.inf, "completed": 12, "failed": 0,
                    "ttft_ms": {"mean": 900.0, "p50": 850.0, "p90": 1500.0, "p99": 1600.0}}
@@ -49,7 +57,10 @@ RIGHT = {
     "11": {"q1": 16.81 / 4,             # the seed's gaps at rate 1, four times closer
            "q2": 300,      # (1300 - 400) / (4 - 1)
            "q3": "b", "q4": INF_RATE_RESULT},
-    "12": {"q1": short_prompts_first, "q2": 2048, "q3": "a"},     # 4 GiB / 2 MiB
+    "12": {"q1": short_prompts_first, "q2": 2048, "q3": "a",     # 4 GiB / 2 MiB
+           "q4": "a",           # simulated: 21 against 275 preempted; the important half's TTFT p90 2.86 s -> 0.26 s
+           "q5": 1,             # simulated: 95.1%, 91.6%, 81.2%, 67.5% of requests within the SLO
+           "q6": CPU_CALIBRATION},
     "13": {"q1": 1081344,       # Llama-3-8B: 2 x 32 x 16 x 8 x (128 + 4)
            "q2": 50,            # round(0.5 / (1.27 / 127))
            "q3": "b"},
@@ -87,6 +98,10 @@ WRONG = [
     ("12", "q1", lambda r: None if len(r.prompt_token_ids) > 1024 else r.arrival_time, "compared"),
     ("12", "q1", lambda r: 1 / 0, "ZeroDivisionError"), ("12", "q2", 4096, "both K and V"),
     ("12", "q3", "b", "who waits"),
+    ("12", "q4", "b", "at random"), ("12", "q4", "c", "least important"), ("12", "q4", "d", "admitted first"),
+    ("12", "q5", 2, "fewer than 90%"), ("12", "q5", 0.5, "higher rate"), ("12", "q5", 1.5, "one of the multiples"),
+    ("12", "q6", H200_CALIBRATION, "GPU"), ("12", "q6", CostModel.constant(1.0), "not made by"),
+    ("12", "q6", TINY_CALIBRATION, "--preset tiny"), ("12", "q6", "calib/cost_model.json", "CostModel itself"),
     ("13", "q1", 2097152, "bfloat16"), ("13", "q1", 1048576, "codes alone"), ("13", "q2", 63, "absmax"),
     ("13", "q3", "a", "opposite"),
     ("14", "q1", 1, "in turn"), ("14", "q2", (15, 22), "extra layers"), ("14", "q2", 2, "expected a tuple"),
