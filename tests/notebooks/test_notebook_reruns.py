@@ -21,7 +21,7 @@ NOTEBOOKS = ROOT / "notebooks"
 RERUN = ["00_tour", "01_tokens_to_logits", "02_rmsnorm_rope_swiglu", "03_flash_attention_prefill",
          "04_paged_kv_cache", "05_paged_attention_v1_v2", "06_iteration_level_scheduling", "07_chunked_prefill",
          "08_preemption", "09_prefix_caching", "10_sampling", "11_serving_and_benchmarking",
-         "12_research_a_scheduling_policy"]
+         "12_research_a_scheduling_policy", "13_kv_cache_quantization"]
 CELL_TIMEOUT_S = 600      # the slowest cell (11's benchmark) on a loaded 2-core machine
 
 pytestmark = pytest.mark.slow     # a notebook twice: minutes
