@@ -67,7 +67,8 @@ RIGHT = {
            "q4": 0.938,         # measured: the mean KL with only the keys quantized over the int8 cache's, 256 tokens
            "q5": 0.0132},       # measured: 610 of 46,080 key rows
     "14": {"q1": 2, "q2": (16, 22),     # stages of 8, 8, 7, 7 layers
-           "q3": 2 / 3},
+           "q3": 2 / 3,
+           "q4": 5},            # layer 20: stage 1 (ranks 3-5); head 7: the third group of 3
 }
 
 # (notebook, question, a likely wrong answer, what its feedback must say)
@@ -110,6 +111,7 @@ WRONG = [
     ("13", "q5", 0, "does win"),
     ("14", "q1", 1, "in turn"), ("14", "q2", (15, 22), "extra layers"), ("14", "q2", 2, "expected a tuple"),
     ("14", "q2", (16, 19, 22), "two numbers"), ("14", "q3", 1.0, "who waits"), ("14", "q3", 0.5, "overlap"),
+    ("14", "q4", 2, "which stage"), ("14", "q4", 4, "in turn"),
 ]
 
 
