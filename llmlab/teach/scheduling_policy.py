@@ -108,13 +108,6 @@ def simulated(workload: Workload, config: EngineConfig, policy: str):
 
 
 # ---- q4: priorities in a 4 GiB cache ------------------------------------------------------------
-PRIORITY_OPTIONS = {
-    "a": "mostly the priority-1 half, and the priority-0 half's TTFT p90 falls to a fraction of FCFS's",
-    "b": "both halves about equally, and the priority-0 half's TTFT p90 stays about FCFS's",
-    "c": "mostly the priority-0 half, and its TTFT p90 rises above FCFS's",
-    "d": "mostly the priority-1 half, but the priority-0 half's TTFT p90 stays about FCFS's"}
-
-
 @functools.cache
 def priority_outcome() -> dict:
     """Preempted requests of each half under policy="priority", and the important half's TTFT p90
@@ -149,8 +142,9 @@ def q4(answer):
     outcome = priority_outcome()
     if letter == priority_letter(outcome):
         return right("when the blocks run out the priority policy preempts the least important running request "
-                     "(the largest priority value) and admits the most important waiting one first, so the "
-                     "priority-0 half keeps its blocks and jumps the queue: its TTFT p90 drops from "
+                     "(the largest priority value), a priority-0 newcomer preempts one to start, and the queue is "
+                     "admitted most important first: the priority-0 half keeps its blocks and jumps the queue, and "
+                     "its TTFT p90 drops from "
                      f"{outcome['fcfs']['ttft_p90']:.2f} s under FCFS to {outcome['priority']['ttft_p90']:.2f} s, "
                      "and the priority-1 half pays for it.")
     if letter == "b":
@@ -183,7 +177,7 @@ def q5(answer):
     higher = [m for m in MULTIPLES if m > multiple]
     if attainment(multiple) >= 0.9 and (not higher or attainment(higher[0]) < 0.9):
         return right(f"{attainment(multiple):.1%} of requests met the SLO there, and fewer than 90% at the next "
-                     f"multiple: the goodput lies between the two. max_rate (below in the notebook) bisects that "
+                     f"multiple: the goodput lies between the two. max_rate (above, in the notebook) bisects that "
                      f"bracket instead of stepping through a fixed grid.")
     if attainment(multiple) < 0.9:
         return wrong("at that rate fewer than 90% of requests met the SLO: goodput is the highest rate that "

@@ -48,7 +48,8 @@ def test_notebook_ids_in_any_spelling_and_an_unknown_one_refused():
 JUNK = ["abc", [1, 2], {}, object(), -1, 10**9, 0.5, lambda: 0]
 
 
-@pytest.mark.parametrize("notebook", list(teach.NOTEBOOKS))
+@pytest.mark.parametrize("notebook", [pytest.param(n, marks=pytest.mark.slow) if n == "13" else n   # 13 runs the model
+                                      for n in teach.NOTEBOOKS])
 def test_no_answer_makes_the_checker_raise(notebook):
     """A student's answer of the wrong form, or a wrong number, is a wrong Verdict with feedback."""
     for key in teach.questions(notebook):

@@ -19,7 +19,8 @@ def short_prompts_first(request):        # notebook 12's task, done right
 # stand-ins with the meta the command writes, and the H200's, which is not one
 CPU_CALIBRATION = CostModel({"intercept": 0.02, "decode_tokens": 1e-3, "prefill_tokens": 2e-4, "num_prefills": 1e-3},
                             {"device": "cpu", "recorded_with": "llmlab bench calibrate --preset cpu"})
-TINY_CALIBRATION = CostModel({"intercept": 1e-3}, {"device": "cpu", "recorded_with": "llmlab bench calibrate --preset tiny"})
+TINY_CALIBRATION = CostModel({"intercept": 1e-3},
+                             {"device": "cpu", "recorded_with": "llmlab bench calibrate --preset tiny"})
 H200_CALIBRATION = CostModel.load(teach.data_file("h200_cost_model_llama3_8b.json"))
 
 INF_RATE_RESULT = {"rate": math.inf, "completed": 12, "failed": 0,
@@ -115,14 +116,23 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("notebook", list(RIGHT))
+# notebook 13's q4 and q5 load the embedded model and run it (10-40 s on a 2-core machine, once per
+# process): `slow`, so make test-fast leaves them out
+RUN_THE_MODEL = {("13", "q4"), ("13", "q5")}
+
+
+def slow_if(params, runs_the_model: bool):
+    return pytest.param(*params, marks=pytest.mark.slow) if runs_the_model else pytest.param(*params)
+
+
+@pytest.mark.parametrize("notebook", [slow_if([n], any(k[0] == n for k in RUN_THE_MODEL)) for n in RIGHT])
 def test_right_answers_are_accepted(notebook):
     assert set(RIGHT[notebook]) == set(teach.questions(notebook)), "a question without a right answer here"
     verdicts = teach.grade(notebook, RIGHT[notebook])
     assert {key: v.correct for key, v in verdicts.items()} == {key: True for key in RIGHT[notebook]}, verdicts
 
 
-@pytest.mark.parametrize("notebook, key, answer, mistake", WRONG,
+@pytest.mark.parametrize("notebook, key, answer, mistake", [slow_if(w, w[:2] in RUN_THE_MODEL) for w in WRONG],
                          ids=[f"{n}-{q}-{i}" for i, (n, q, _, _) in enumerate(WRONG)])   # (a function's repr has its address)
 def test_planted_wrong_answers_are_refused_with_feedback(notebook, key, answer, mistake):
     verdict = teach.grade(notebook, {key: answer})[key]
