@@ -133,9 +133,11 @@ def chunk_logprobs(model, token_ids, kv_cache, start, block_size=16, store_kv=No
     return logits.float().log_softmax(-1)
 
 
-def variants(model, num_tokens, fp8_supported, only=None):
+def variants(model, num_tokens, fp8_supported, only=None, schemes=None):
     """name -> (KVCache, store_kv override or None): the full-precision cache first, then
-    every other variant (or those whose names contain one of the strings in `only`)."""
+    every other variant (or those whose names contain one of the strings in `only`), then
+    `schemes`, your own: name -> (key function, value function), simulated as SIMULATED's are
+    (each function takes rows [T, Hkv, D] and returns what the cache would give back)."""
     dtype = model.embed.dtype
     out = {"full precision (auto)": (new_cache(model, num_tokens, dtype), None),
            "int8, per token-head (engine)": (new_cache(model, num_tokens, torch.int8), None)}
@@ -147,17 +149,20 @@ def variants(model, num_tokens, fp8_supported, only=None):
     for name, (key_fn, value_fn) in SIMULATED.items():
         out[name] = (new_cache(model, num_tokens, dtype), simulated_store_kv(key_fn, value_fn))
     first = next(iter(out))
-    return {name: run for name, run in out.items()
-            if name == first or only is None or any(word in name for word in only)}
+    chosen = {name: run for name, run in out.items()
+              if name == first or only is None or any(word in name for word in only)}
+    for name, (key_fn, value_fn) in (schemes or {}).items():
+        chosen[name] = (new_cache(model, num_tokens, dtype), simulated_store_kv(key_fn, value_fn))
+    return chosen
 
 
-def accuracy(model, token_ids, fp8_supported=False, only=None, progress=False) -> list[dict]:
-    """Perplexity, mean KL(full || variant) and top-1 agreement of every variant (`only`:
-    see variants()), all run chunk by chunk in lockstep (so no variant's logits are kept).
-    `progress`: a bar over the prefill chunks of every variant."""
+def accuracy(model, token_ids, fp8_supported=False, only=None, progress=False, schemes=None) -> list[dict]:
+    """Perplexity, mean KL(full || variant) and top-1 agreement of every variant (`only` and
+    your own `schemes`: see variants()), all run chunk by chunk in lockstep (so no variant's
+    logits are kept). `progress`: a bar over the prefill chunks of every variant."""
     from tqdm.auto import tqdm
 
-    runs = variants(model, len(token_ids), fp8_supported, only)
+    runs = variants(model, len(token_ids), fp8_supported, only, schemes)
     targets = torch.tensor(token_ids[1:], device=model.embed.device)
     totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in runs}
     starts = range(0, len(token_ids) - 1, CHUNK)

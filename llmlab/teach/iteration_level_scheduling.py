@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmlab.teach import ground_truth
-from llmlab.teach.check import choice, integer, right, wrong
+from llmlab.teach.check import choice, integer, integers, right, wrong
 
 # the notebook's workload: (question, max_tokens, arrival step), each a chat turn
 WORKLOAD = [("Tell me a joke about cats.", 10, 0), ("What is 7 times 8?", 4, 0),
@@ -60,4 +60,35 @@ def q3(answer):
                  f"whole step.")
 
 
-QUESTIONS = {"q1": q1, "q2": q2, "q3": q3}
+def q4(answer):
+    """make_engine(enable_prefix_caching=True), the engine's default: request 1 arrives at step 0 with
+    request 0, and both prompts begin with the chat template's system prompt. In which step (from 0) is
+    request 1 first scheduled, and how many prompt tokens does it compute itself? Answer (step, tokens)."""
+    step_tokens = integers(answer, "a tuple (step, tokens), e.g. (3, 20)")
+    if len(step_tokens) != 2:
+        return wrong("answer two numbers: the step request 1 is first scheduled in, and the prompt tokens it "
+                     "computes.")
+    trace = replay(enable_prefix_caching=True)
+    expected = (ground_truth.first_scheduled(trace, "1"), ground_truth.prefill_tokens(trace, "1"))
+    prompt_tokens = len(ground_truth.chat(WORKLOAD[1][0]))
+    step, tokens = step_tokens
+    if step_tokens == expected:
+        return right("request 0 computes the system prompt's blocks in step 0, so the scheduler holds request 1 "
+                     "back (admitted then, it would compute the same blocks a second time); a step later it "
+                     "finds those full blocks in the cache and computes only the rest of its prompt.")
+    if step == 0:
+        return wrong("it arrives in step 0, but in that very step request 0 is computing the blocks both prompts "
+                     "begin with: does the scheduler admit a request whose prefix is being computed?")
+    if step != expected[0]:
+        return wrong("record the run with make_engine(enable_prefix_caching=True) and find request 1's first "
+                     "prefill item in trace.steps.")
+    if tokens == prompt_tokens:
+        return wrong("its first blocks hold the same tokens as request 0's, and request 0 has computed them by "
+                     "then: prefix caching shares them; how many tokens are left to compute?")
+    if tokens == prompt_tokens - expected[1]:
+        return wrong("that is what it found in the cache (its prefill starts at that position); how many did it "
+                     "compute?")
+    return wrong("request 1's prefill item in the recorded trace says it: its num_tokens.")
+
+
+QUESTIONS = {"q1": q1, "q2": q2, "q3": q3, "q4": q4}

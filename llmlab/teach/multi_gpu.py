@@ -2,7 +2,7 @@
 ranks themselves run, and the pipeline's bubble."""
 from __future__ import annotations
 
-from llmlab.engine.parallel.placement import stage_layers
+from llmlab.engine.parallel.placement import RankLayout, stage_layers
 from llmlab.model.tensor_parallel import shard_config
 from llmlab.teach.check import close, fraction, integer, integers, right, wrong
 from llmlab.teach.ground_truth import embedded_config
@@ -51,4 +51,30 @@ def q3(answer):
     return wrong("a step lasts M + P - 1 micro-batch times; each stage is busy for M of them.")
 
 
-QUESTIONS = {"q1": q1, "q2": q2, "q3": q3}
+def rank_of(head: int, layer: int, tp: int, pp: int) -> int:
+    """The rank that computes query head `head` of layer `layer`, as the ranks place themselves."""
+    config = embedded_config()
+    heads_per_rank = shard_config(config, tp).num_heads
+    return next(rank for rank in range(tp * pp)
+                if layer in (layout := RankLayout(rank, tp, pp, config.num_layers)).layers
+                and layout.tp_rank == head // heads_per_rank)
+
+
+def q4(answer):
+    """Both at once, tensor_parallel_size=3 and pipeline_parallel_size=2: six ranks (the second placement
+    figure). Which rank computes query head 7 of layer 20?"""
+    rank = integer(answer)
+    expected = rank_of(7, 20, 3, 2)
+    if rank == expected:
+        return right("layer 20 is in stage 1 (layers 15-29), and a stage's layers are cut across its 3 ranks as "
+                     "with tensor parallelism alone: rank r is tensor-parallel rank r % 3 of stage r // 3.")
+    if rank == rank_of(7, 20, 3, 1):
+        return wrong("that is the rank of head 7 with tensor parallelism alone; in which stage is layer 20, and "
+                     "which ranks make up that stage?")
+    if rank == 3 + 7 % 3:
+        return wrong("heads are not dealt out in turn: each rank of a stage takes a contiguous group of 3.")
+    return wrong("rank r is tensor-parallel rank r % 3 of stage r // 3; the placement figure shows each stage's "
+                 "layers.")
+
+
+QUESTIONS = {"q1": q1, "q2": q2, "q3": q3, "q4": q4}

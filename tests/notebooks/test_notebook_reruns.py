@@ -17,10 +17,11 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
-# the notebooks of issue #38; the others are rerun by their own tests as they are reworked
+# every notebook (issues #38 and #33): each runs again, cell by cell, after a full run
 RERUN = ["00_tour", "01_tokens_to_logits", "02_rmsnorm_rope_swiglu", "03_flash_attention_prefill",
-         "05_paged_attention_v1_v2", "07_chunked_prefill", "08_preemption", "09_prefix_caching", "10_sampling",
-         "11_serving_and_benchmarking"]
+         "04_paged_kv_cache", "05_paged_attention_v1_v2", "06_iteration_level_scheduling", "07_chunked_prefill",
+         "08_preemption", "09_prefix_caching", "10_sampling", "11_serving_and_benchmarking",
+         "12_research_a_scheduling_policy", "13_kv_cache_quantization", "14_multi_gpu_on_cpu"]
 CELL_TIMEOUT_S = 600      # the slowest cell (11's benchmark) on a loaded 2-core machine
 
 pytestmark = pytest.mark.slow     # a notebook twice: minutes
