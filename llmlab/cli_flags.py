@@ -1,7 +1,8 @@
 """Command-line flags: every `llmlab` command that builds an engine gets one flag per
-`EngineConfig` field (`add_engine_arguments`, read back by `engine_kwargs`), and the small
-argument types the commands share (`positive_int`, `int_span`). argparse lives here, so
-`config.py` stays the plain dataclass."""
+`EngineConfig` field (`add_engine_arguments`, read back by `engine_kwargs`, written out
+again by `engine_argv` for a server the command starts), and the small argument types the
+commands share (`positive_int`, `int_span`). argparse lives here, so `config.py` stays the
+plain dataclass."""
 from __future__ import annotations
 
 import argparse
@@ -96,3 +97,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     defaults): only flags it added, so a command's own --seed or --model is left alone."""
     return {name: getattr(args, name) for name in getattr(args, "engine_flags", ())
             if getattr(args, name, None) is not None}
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that give `engine_kwargs(args)` again: what a command passes on to the
+    `llmlab serve` process it starts (["--max-model-len", "256", "--no-enable-prefix-caching"])."""
+    argv = []
+    for name, value in engine_kwargs(args).items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv

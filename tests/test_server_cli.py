@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from llmlab import cli
-from llmlab.cli_flags import add_engine_arguments, engine_kwargs
+from llmlab.cli_flags import add_engine_arguments, engine_argv, engine_kwargs
 from llmlab.config import EngineConfig
 
 
@@ -46,6 +46,17 @@ def test_flags_parse_into_engine_config_kwargs():
     config = EngineConfig(**kwargs)      # flags not given keep EngineConfig's defaults
     assert config.block_size == EngineConfig.block_size and config.max_num_seqs == 3
     assert engine_kwargs(parser.parse_args([])) == {}
+
+
+def test_engine_argv_gives_the_same_flags_again():
+    """What a benchmark passes on to the `llmlab serve` it starts (bench head-of-line --flood-clients)."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--max-num-seqs", "3", "--no-enable-chunked-prefill", "--enable-prefix-caching",
+                              "-tp", "1", "--gpu-memory-utilization", "0.5", "--dtype", "float32"])
+    argv = engine_argv(args)
+    assert engine_kwargs(parser.parse_args(argv)) == engine_kwargs(args)
+    assert engine_argv(parser.parse_args([])) == []
 
 
 def test_help_is_the_field_comment_and_defaults_can_differ(capsys):

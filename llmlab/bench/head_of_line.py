@@ -2,6 +2,7 @@
 
     llmlab bench head-of-line [--long-len 7000] [--short-len 4] [--url URL] [engine flags] [--out F]
     llmlab bench head-of-line --big-prompt-kb 900 [--url URL]
+    llmlab bench head-of-line --flood-clients 4,12,16 [--flood-kb 1000] [--samples 20] [--url URL] [--out F]
 
 Through the OpenAI server (its own, in this process, unless --url names one): first the
 short request alone, then a long prompt (random token ids), and once the long prompt is
@@ -11,16 +12,32 @@ steps only if the scheduler leaves it room; otherwise it waits for the whole pre
 With --big-prompt-kb: instead, the longest gap between a running stream's tokens while a
 prompt of that many KB of text is sent (and refused: it is longer than the context), i.e.
 whether tokenizing it stalls the engine.
+
+With --flood-clients N,M,...: instead, a tiny request's latency (p50 / p90 / max of
+--samples, against its idle p50) while N clients, then M, ... keep sending prompts of
+--flood-kb thousand bytes (refused: longer than the context), the flood's answers, and
+whether /health answered during it (issue #37; flood.py, which also says why this mode
+starts an `llmlab serve` process rather than a server in this process).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
 import time
 
 from llmlab.bench.common import write_json
+from llmlab.cli_flags import positive_int
 from llmlab.machine import cpu_name
+
+
+def client_counts(text: str) -> list[int]:
+    """--flood-clients: "4,12,16" -> [4, 12, 16], each at least 1."""
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected client counts such as 4,12,16, got {text!r}") from None
 
 
 def add_arguments(parser) -> None:
@@ -37,6 +54,14 @@ def add_arguments(parser) -> None:
                              "prompt's steps cost the most)")
     parser.add_argument("--big-prompt-kb", type=int, default=0,
                         help="measure the stall a text prompt of this size causes instead (0 = off)")
+    parser.add_argument("--flood-clients", type=client_counts, default=None,
+                        help="measure a tiny request while this many clients (comma-separated: one run "
+                             "each) send huge prompts back to back instead")
+    parser.add_argument("--flood-kb", type=positive_int, default=1000,
+                        help="the flood's prompts, in thousands of bytes (default 1000: the issue's "
+                             "1,000,031-byte bodies; the server takes bodies up to 1 MiB)")
+    parser.add_argument("--samples", type=positive_int, default=20,
+                        help="tiny requests timed idle and under each flood (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     add_engine_arguments(parser, exclude=("seed",))
@@ -128,6 +153,13 @@ def main(args) -> dict:
 
     from llmlab.cli_flags import engine_kwargs
     from llmlab.config import EngineConfig
+
+    if args.flood_clients and args.big_prompt_kb:
+        raise ValueError("--flood-clients and --big-prompt-kb are two measurements: give one")
+    if args.flood_clients:
+        from llmlab.bench import flood
+
+        return flood.main(args)
 
     def run(url, api_key, vocab_size):
         if args.big_prompt_kb:

@@ -5,14 +5,12 @@ CPU with the embedded model, through a real `llmlab serve`. Latencies are compar
 same request's on the idle server (a ratio: the machine's speed and load cancel out)."""
 from __future__ import annotations
 
-import json
 import statistics
-import threading
-import time
 
 import httpx
 import pytest
 
+from llmlab.bench.flood import Flood, completion_body, flood_prompt, tiny_request_seconds
 from llmlab.model.loader import resolve_model
 from llmlab.model.tokenizer import Tokenizer
 
@@ -27,59 +25,15 @@ RATIO = 10
 SAMPLES = 7
 
 
-def tiny_request_seconds(url: str) -> float:
-    start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=120)
-    assert response.status_code == 200, response.text
-    return time.perf_counter() - start
-
-
 def median_seconds(url: str) -> float:
+    """The tiny request that `llmlab bench head-of-line --flood-clients` times (flood.py)."""
     return statistics.median(tiny_request_seconds(url) for _ in range(SAMPLES))
-
-
-class Flood:
-    """CLIENTS threads posting `body` back to back until the block ends; `statuses` and
-    `errors` are what came back."""
-
-    def __init__(self, url: str, body: bytes):
-        self.url, self.body = url, body
-        self.statuses: list[int] = []
-        self.errors: list[dict] = []
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self.client, daemon=True) for _ in range(CLIENTS)]
-
-    def client(self):
-        with httpx.Client(timeout=120) as client:
-            while not self.stopping.is_set():
-                response = client.post(f"{self.url}/v1/completions", content=self.body,
-                                       headers={"Content-Type": "application/json"})
-                self.statuses.append(response.status_code)
-                self.errors.append(response.json().get("error"))
-
-    def __enter__(self):
-        for thread in self.threads:
-            thread.start()
-        deadline = time.monotonic() + 120
-        while len(self.statuses) < CLIENTS:     # every client has been answered once: in full swing
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(timeout=120)
-
-
-def body_of(prompt: str) -> bytes:
-    return json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
 
 
 def test_prompts_that_cannot_fit_are_refused_before_tokenizing(embedded_server):
     idle = median_seconds(embedded_server.url)
-    body = body_of("hello world " * 83_336)          # 1,000,031 bytes, as in the issue: ~167k tokens
-    with Flood(embedded_server.url, body) as flood:
+    body = completion_body(flood_prompt(1_000_000))    # 1,000,031 bytes, as in the issue: ~167k tokens
+    with Flood(embedded_server.url, body, CLIENTS) as flood:
         busy = median_seconds(embedded_server.url)
     assert set(flood.statuses) == {400}
     assert {e["code"] for e in flood.errors} == {"context_length_exceeded"}
@@ -93,9 +47,8 @@ def test_a_short_prompt_does_not_queue_behind_long_ones(embedded_server):
     tokenizer = Tokenizer(str(resolve_model(None)))
     max_model_len = httpx.get(f"{embedded_server.url}/v1/models").json()["data"][0]["max_model_len"]
     under_the_bound = (max_model_len - 1) * tokenizer.max_chars_per_token - 10
-    prompt = ("hello world " * (under_the_bound // 12 + 1))[:under_the_bound]
     idle = median_seconds(embedded_server.url)
-    with Flood(embedded_server.url, body_of(prompt)) as flood:
+    with Flood(embedded_server.url, completion_body(flood_prompt(under_the_bound)), CLIENTS) as flood:
         busy = median_seconds(embedded_server.url)
     assert set(flood.statuses) == {400}
     assert "characters" not in flood.errors[0]["message"]   # counted: these were tokenized
