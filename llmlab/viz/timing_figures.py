@@ -12,7 +12,7 @@ from plotly.subplots import make_subplots
 
 from llmlab.hooks import Trace
 from llmlab.machine import is_busy, machine_note
-from llmlab.viz.figures import SHARED, STATE_COLORS
+from llmlab.viz.figures import SHARED, STATE_COLORS, title_band
 from llmlab.viz.style import step_axis, title_with_note
 
 PHASES = ("schedule", "swap", "prepare", "forward", "sample")
@@ -45,15 +45,19 @@ def phase_timings(trace: Trace | list[Trace]) -> go.Figure:
 
 
 def timing_title(title: str, traces: list[Trace], spread: float | None = None) -> dict:
-    """A figure title with, under it, the machine that measured `traces` (recorded in their
-    meta by viz.record; else this machine, now) and a warning when it was busy."""
+    """A figure title with, under it, timing_note(traces, spread) as its subtitle."""
+    return title_with_note(title, timing_note(traces, spread))
+
+
+def timing_note(traces: list[Trace], spread: float | None = None) -> str:
+    """The machine that measured `traces` (recorded in their meta by viz.record; else this
+    machine, now), and a warning when it was busy."""
     recorded = [t.meta["recorded_on"] for t in traces if t.meta.get("recorded_on")]
     if recorded:   # a trace saved elsewhere (notebooks/data) names its machine in words
-        return title_with_note(title, f"recorded on {recorded[0]}")
+        return f"recorded on {recorded[0]}"
     info = next((t.meta["machine"] for t in traces if t.meta.get("machine")), None)
     busy_runs = [t.meta["machine"] for t in traces if t.meta.get("machine") and is_busy(t.meta["machine"])]
-    note = machine_note(busy_runs[0] if busy_runs else info, spread)
-    return title_with_note(title, note)
+    return machine_note(busy_runs[0] if busy_runs else info, spread)
 
 
 def kernel_timings(trace: Trace) -> go.Figure:
@@ -111,9 +115,10 @@ def latency_comparison(traces: dict[str, Trace], ttft_requests=None, itl_request
     fig.add_trace(go.Bar(name="ITL worst", x=labels, y=[g[-1] * 1e3 if g else 0 for g in gaps],
                          marker_color=STATE_COLORS["preempted"]), row=1, col=2)
     fig.update_yaxes(title_text="ms")
-    fig.update_layout(title=timing_title("Latency", list(traces.values())), barmode="group", height=360,
-                      margin=dict(t=90, b=40))
-    return fig
+    fig.update_layout(barmode="group", height=360, margin=dict(b=40))
+    # title_band, not a subtitle: the template's automargin makes room for a title and its
+    # subtitle, not for the subplot titles under them, which the subtitle then covered
+    return title_band(fig, "Latency", [timing_note(list(traces.values()))])
 
 
 def _mean(values):

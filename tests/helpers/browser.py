@@ -19,14 +19,17 @@ def skip_without_chromium() -> None:
 
 
 # The boxes (page pixels) of what plotly drew above and around each figure's plot area: the
-# title, every annotation (subplot titles among them), the legend and the toolbar (modebar),
-# and the text of every tick label. `root` is an element that holds the figures (or the page).
+# title and its subtitle, every annotation (subplot titles among them), the legend and the
+# toolbar (modebar), and the text of every tick label. `root` is an element that holds the
+# figures (or the page).
 READ_LAYOUT = """(root) => [...(root || document).querySelectorAll('.js-plotly-plot')].map(gd => {
     const box = el => { const r = el.getBoundingClientRect();
                         return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
-    const text = gd.querySelector('.g-gtitle text');
+    const text = gd.querySelector('.g-gtitle text.gtitle');
+    const subtitle = gd.querySelector('.g-gtitle text.gtitle-subtitle');
     const labels = [];
     if (text && text.textContent) labels.push({what: 'title', text: text.textContent, ...box(text)});
+    if (subtitle && subtitle.textContent) labels.push({what: 'subtitle', text: subtitle.textContent, ...box(subtitle)});
     gd.querySelectorAll('.annotation').forEach(a => {
         const t = a.querySelector('.annotation-text');
         if (t && t.textContent) labels.push({what: 'annotation', text: t.textContent, ...box(t)});
