@@ -16,15 +16,19 @@ demo: $(STAMP)
 
 # Three pytest processes, not one: a single process that held every test's engines and then
 # ran the notebooks' kernels beside them outgrew a 24 GiB machine (killed by the OOM killer).
-# The notebooks go with tests/notebooks, whose conftest skips nbval's run of a notebook the
-# rerun test already executes. The first two run on two pytest-xdist workers (-n 2: CI's two
-# cores; one torch thread each, tests/conftest.py): 28 -> 12 minutes on a 2-core AMD EPYC for
-# the first, 3.6 -> 2.2 for the exercises (the latter with other work beside it); the whole of
-# make test took 22 minutes from a clean clone with only the first on two workers (CI took 41).
+# All three run on two pytest-xdist workers (-n 2: CI's two cores; one torch thread each,
+# tests/conftest.py): 28 -> 12 minutes on a 2-core AMD EPYC for the first, 3.6 -> 2.2 for the
+# exercises (the latter with other work beside it); the whole of make test took 22 minutes from
+# a clean clone with only the first on two workers (CI took 41). The notebooks go with
+# tests/notebooks, whose conftest runs each one once (twice in one kernel for a RERUN one): in
+# JupyterLab through chromium, Run All from the menu, checked for tracebacks, blank plots,
+# overlapping labels and cells silent for 60 s (test_notebooks_in_browser.py; the widgets of
+# 04, 06 and 08 clicked there too), or, where chromium is missing, through nbval and the rerun
+# test (a notebook's nbval cells stay on one worker): NOTEBOOK_TIMES
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks -n 2 --durations=25
 	$(VENV)/bin/python -m pytest tests/exercises -n 2 --durations=10
-	$(VENV)/bin/python -m pytest tests/notebooks --nbval-lax $(NOTEBOOKS) --durations=10
+	$(VENV)/bin/python -m pytest tests/notebooks --nbval-lax $(NOTEBOOKS) -n 2 --durations=10
 
 # The inner loop: every test not marked `slow` (no Triton interpreter, no processes, none over
 # ~5 s on a CPU), every folder of tests/ still has some; no notebooks. `make test` runs them all.

@@ -51,7 +51,7 @@ def runs_triton(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # the browser tests first (minutes each): on pytest-xdist's workers a long test handed out
+    # the browser test first (over a minute): on pytest-xdist's workers a long test handed out
     # last keeps one worker busy while the other idles
     items.sort(key=lambda item: "tests/viz/test_browser.py" not in item.nodeid)
     # `slow`, left out by `make test-fast`: Triton's interpreter, processes (parallel ranks, a

@@ -3,6 +3,7 @@ cannot work offline; .ci/run installs chromium), and plotly figures measured whe
 drew them."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -16,6 +17,30 @@ def skip_without_chromium() -> None:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium; .ci/run installs it)")
     pytest.importorskip("playwright.sync_api", reason="the playwright Python package is missing")
+
+
+def can_run_jupyterlab() -> bool:
+    """Whether the browser tests of JupyterLab will run here rather than skip (chromium, the
+    playwright package and jupyterlab): tests/notebooks/conftest.py asks before it leaves
+    nbval's run of a notebook to them."""
+    return (os.access(CHROMIUM, os.X_OK) and importlib.util.find_spec("playwright") is not None
+            and importlib.util.find_spec("jupyterlab") is not None)
+
+
+# Every plotly figure under `root`: its title, whether plotly drew it (its SVG is there) and
+# how many marks it drew (heatmap images, bars, lines, markers, table cells: empty axes have
+# none), whether it lives in a widget, and its data (to see a click change it).
+READ_FIGURES = """(root) => [...(root || document).querySelectorAll('.js-plotly-plot')].map(gd => {
+    const title = gd.layout && gd.layout.title;
+    return {title: String((title && (title.text !== undefined ? title.text : title)) || ''),
+            drawn: !!gd.querySelector('svg.main-svg'),
+            marks: gd.querySelectorAll('.heatmaplayer image, .barlayer .point, .scatterlayer .js-line, '
+                                       + '.scatterlayer .point, .table .cell-rect').length,
+            traces: (gd.data || []).length,
+            in_widget: !!gd.closest('.widget-vbox'),
+            data: JSON.stringify((gd.data || []).map(t => [t.name, t.x, t.y, t.z, t.text])),
+            shapes: JSON.stringify(((gd.layout || {}).shapes || []).map(s => s.x0))};
+})"""
 
 
 # The boxes (page pixels) of what plotly drew above and around each figure's plot area: the
