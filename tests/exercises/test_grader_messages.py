@@ -214,6 +214,31 @@ def match_keeping_the_table_empty(self, request):
     return len(matched) * self.block_size
 
 
+def release_first_block_first(self, request):
+    released = []
+    for block in request.block_table:                    # the bug: not reversed, a prompt's first block goes first
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            released.append(block)
+            if self.block_hash[block] is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+    request.block_table, request.num_cached_blocks = [], 0
+    return released
+
+
+def take_the_newest_evictable(self):
+    if self.free_blocks:
+        block = self.free_blocks.pop()
+    else:
+        block, _ = self.evictable.popitem()              # the bug: last=True, the most recently used goes
+        del self.cached_blocks[self.block_hash[block]]
+        self.block_hash[block] = None
+    self.ref_counts[block] = 1
+    return block
+
+
 PLANTED_13 = {
     "a block freed twice": (dict(free=release_twice), ex13.test_free,
                             r"case free a request of 9 tokens.*: block\(s\) \[.*\] are in free_blocks twice\n"
@@ -229,6 +254,14 @@ PLANTED_13 = {
         dict(match_prefix=match_leaving_blocks_evictable), ex13.test_a_freed_cached_block_is_found_again,
         r"case free a cached request, then look its prompt up: block \d+ is held by requests \['1'\] and is in "
         r"evictable too\n  -> .*match_prefix, a matched block whose count was 0 must be taken out of evictable"),
+    "a table freed first block first": (
+        dict(free=release_first_block_first), ex13.test_eviction_is_least_recently_used,
+        r"case evict with two freed cached requests.*: the new block is \[0\]; a's blocks \[0, 1\].*\n"
+        r"  -> a's first block was evicted before its second: free releases a table's blocks last block first"),
+    "the most recently used block evicted": (
+        dict(_take_block=take_the_newest_evictable), ex13.test_eviction_is_least_recently_used,
+        r"case evict with two freed cached requests.*: the new block is \[2\].*b's \[2, 3\]\n"
+        r"  -> one of b's blocks was evicted, though a's were freed first: .*popitem\(last=False\)"),
     "matched blocks left out of the block table": (
         dict(match_prefix=match_keeping_the_table_empty), ex13.test_match_prefix_shares_cached_blocks,
         r"case a second prompt sharing the first 8 of 10 tokens: match_prefix found 8 tokens, b's table \[\].*\n"
