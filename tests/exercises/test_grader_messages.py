@@ -339,6 +339,41 @@ def release_through_the_stop(self, token_id):
     return False
 
 
+def search_the_new_piece_but_hold_back(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    if not piece:
+        return False
+    window = self.pending + piece
+    # the bug: the stop strings searched in the new piece only, though the tail is held back
+    found = [(at + len(self.pending), stop) for stop in self.stop if (at := piece.find(stop)) != -1]
+    if found:
+        at, self.stopped_on = min(found)
+        self._release(window[:at])
+        self.pending = ""
+        return True
+    keep = max(0, len(window) - self.hold_back)
+    self._release(window[:keep])
+    self.pending = window[keep:]
+    return False
+
+
+def first_stop_of_the_list(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    if not piece:
+        return False
+    window = self.pending + piece
+    found = [(at, stop) for stop in self.stop if (at := window.find(stop)) != -1]
+    if found:
+        at, self.stopped_on = found[0]                   # the bug: the list's first, not the text's first
+        self._release(window[:at])
+        self.pending = ""
+        return True
+    keep = max(0, len(window) - self.hold_back)
+    self._release(window[:keep])
+    self.pending = window[keep:]
+    return False
+
+
 PLANTED_14 = {
     "a stop string leaked across tokens": (
         dict(OutputText="add_token", method=search_the_new_piece_only),
@@ -349,6 +384,16 @@ PLANTED_14 = {
         dict(IncrementalDetokenizer="add_token", method=decode_the_new_token_alone),
         ex14.test_a_character_split_over_tokens_waits,
         r"case 'é' split over two tokens.*U\+FFFD \(a half character\) was shown\n  -> a UTF-8 character was split"),
+    "a held-back stop string searched in the new piece only": (
+        dict(OutputText="add_token", method=search_the_new_piece_but_hold_back),
+        ex14.test_a_stop_string_split_across_tokens_is_never_shown,
+        r"case stop 'STOP' arriving as 'ST' \+ 'OP': 'ST' was held back, but add_token returned False when 'OP' "
+        r"completed the stop string.*\n  -> a stop string split across tokens was never found: search pending \+ "
+        r"the new piece"),
+    "the first stop string of the list wins": (
+        dict(OutputText="add_token", method=first_stop_of_the_list), ex14.test_the_earliest_stop_string_wins,
+        r"case stops \['OP', 'ST'\], both inside one token 'xSTOPy': .*stopped_on 'OP'.*\n  -> the first stop "
+        r"string of the list won, not the earliest in the text"),
     "stop text shown": (
         dict(OutputText="add_token", method=release_through_the_stop),
         ex14.test_a_stop_string_split_across_tokens_is_never_shown,
