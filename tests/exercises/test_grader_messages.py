@@ -32,6 +32,19 @@ from llmlab.plan import Plan
 from llmlab.request import RequestStatus
 
 
+def solution_function(exercise: str, name: str, old: str, new: str):
+    """The function `name` of solutions/<exercise>.py ("Class.method" for a method) with the piece
+    `old` of its source replaced by `new` (the planted mistake), run in the solution's globals."""
+    solution = load("solutions", exercise)
+    owner, _, attribute = name.rpartition(".")
+    function = getattr(getattr(solution, owner) if owner else solution, attribute)
+    source = textwrap.dedent(inspect.getsource(function))
+    assert source.count(old) == 1, f"{name} of the solution no longer has {old!r}: update the planted mistake"
+    namespace = dict(vars(solution))
+    exec(compile(source.replace(old, new), f"planted {exercise}.{name}", "exec"), namespace)
+    return namespace[attribute]
+
+
 # ---- exercise 09: three allocators with one bug each -----------------------------------------------
 def allocator_module(**methods):
     """exercise 09's API: the solution's BlockAllocator with `methods` replaced."""
@@ -471,10 +484,31 @@ def residual_dropped(self, hidden, residual, positions, batch, k_cache, v_cache,
     return self.mlp(x, b), residual
 
 
+def rope_on_v_too():
+    """The solution's attention, with v rotated by rope as well as q and k."""
+    line = "q, k = kernels.rope(q, k, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)"
+    bug = "; _, v = kernels.rope(q, v, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)"
+    return solution_function("ex15_decoder_layer", "DecoderLayer.attention", line, line + bug)
+
+
+def decode_rows_first():
+    """The solution's attention, with the decodes' output put before the prefill's."""
+    return solution_function("ex15_decoder_layer", "DecoderLayer.attention",
+                             "out = parts[0] if len(parts) == 1 else torch.cat(parts)",
+                             "out = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])")
+
+
 PLANTED_15 = {
     "keys stored before rope": (dict(attention=store_before_rope), ex15.test_attention_of_one_prompt,
                                 r"case attention over one prompt.*: the cache holds the keys before rope\n"
                                 r"  -> store the keys after rope"),
+    "rope applied to v": (dict(attention=rope_on_v_too()), ex15.test_attention_of_one_prompt,
+                          r"case attention over one prompt.*: the cache holds the values rotated by rope\n"
+                          r"  -> rope turns q and k only"),
+    "decode rows before prefill rows": (
+        dict(attention=decode_rows_first()), ex15.test_attention_chunks_and_decodes,
+        r"case step prompt 0's second chunk \(8 tokens\) and a decode of prompt 1: differ from HF: .*\n"
+        r"  -> the output rows are the decodes' then the prefill's"),
     "gate and up swapped": (dict(mlp=gate_and_up_swapped), ex15.test_mlp,
                             r"case mlp of 5 rows: your mlp computes silu\(up\) \* gate\n"
                             r"  -> weights.gate_up holds the gate rows first"),
