@@ -601,6 +601,13 @@ def temperature_after_the_filters(self, logits, params, seeds, positions):
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
+def keyed_on_the_row_index():
+    """The solution's Sampler.__call__, with each row's draw keyed on its row index, not its position."""
+    return solution_function("ex16_sampler", "Sampler.__call__",
+                             "torch.tensor(positions, dtype=torch.int64, device=device))",
+                             "torch.arange(len(seeds), dtype=torch.int64, device=device))")
+
+
 PLANTED_16 = {
     "a seeded draw that depends on batch order": (
         dict(call=noise_from_one_generator), ex16.test_a_seeded_draw_does_not_depend_on_the_batch,
@@ -613,6 +620,10 @@ PLANTED_16 = {
         dict(call=temperature_on_greedy_rows), ex16.test_greedy_rows,
         r"case a batch of greedy rows.*: greedy rows \[.*\] took tokens .*\n"
         r"  -> a greedy row .* takes the argmax of its raw logits: do not divide it by its temperature"),
+    "a seeded draw keyed on the row index": (
+        dict(call=keyed_on_the_row_index()), ex16.test_seeded_tokens_are_llmlabs,
+        r"case 16 seeded rows of 1000 tokens, llmlab's reference Sampler: rows \[.*\] drew other tokens than "
+        r"llmlab's\n  -> your draws are keyed on the row index, not the output position"),
     "temperature applied after filtering": (
         dict(call=temperature_after_the_filters), ex16.test_temperature_scales_before_the_filters,
         r"case 2000 seeded draws of logits \[2, 1, 0, -1\] at temperature 3, top_p 0.7: tokens drawn \[0, 1\], "
@@ -625,6 +636,14 @@ def test_exercise_16_names_the_planted_mistake(planted):
     spec, test, message = PLANTED_16[planted]
     with pytest.raises(pytest.fail.Exception, match=message):
         test(sampler_module(**spec))
+
+
+def test_exercise_16_seeded_tokens_name_the_temperature_after_the_filters():
+    """The seeded-tokens case, which runs first, names that mistake too (it used to say only
+    which rows differ, and the case that names it came after)."""
+    with pytest.raises(pytest.fail.Exception, match=r"case 16 seeded rows .*: rows \[.*\] drew other tokens than "
+                                                    r"llmlab's\n  -> temperature applied after filtering"):
+        ex16.test_seeded_tokens_are_llmlabs(sampler_module(call=temperature_after_the_filters))
 
 
 def test_exercise_16_never_fails_with_a_bare_assert():
