@@ -740,6 +740,21 @@ def waiting_without_admit(self, plan, budget, now):
     return _waiting_without_admit()(self, plan, budget, now)
 
 
+def swap_in_without_room_to_grow(self, plan, budget, now):
+    """The solution's phase 3, with no block kept for the swapped request's next token."""
+    planted = solution_function("ex17_scheduler_step", "Scheduler._schedule_swapped",
+                                "len(self.blocks.host_tables[request.request_id]) + 1 >",
+                                "len(self.blocks.host_tables[request.request_id]) >")   # the bug: no + 1
+    return planted(self, plan, budget, now)
+
+
+def waiting_keeping_its_prefix(self, plan, budget, now):
+    """The solution's phase 4, where a request that fit no chunk keeps the prefix blocks it matched."""
+    planted = solution_function("ex17_scheduler_step", "Scheduler._schedule_waiting",
+                                "self.blocks.free(request)", "pass   # the bug: its matched blocks kept")
+    return planted(self, plan, budget, now)
+
+
 PLANTED_17 = {
     "a decode starved by prefills": (
         dict(schedule=prefills_before_decodes), ex17.test_decodes_are_never_starved,
@@ -758,6 +773,15 @@ PLANTED_17 = {
         lambda ex: ex17.test_preemption_when_out_of_blocks(ex, "recompute"),
         r"case out of blocks .*: step \d+: the step allocated more blocks than are free \(out of KV blocks.*\)\n"
         r"  -> every allocation must fit the free blocks"),
+    "a swap-in without a block for the next token": (
+        dict(_schedule_swapped=swap_in_without_room_to_grow),
+        lambda ex: ex17.test_preemption_when_out_of_blocks(ex, "swap"),
+        r"case out of blocks .*: step \d+: swapped_in is \['r1', 'r2'\], llmlab's is \['r1'\]\n"
+        r"  -> swapped in too soon: .*its host blocks \+ 1 fit in the free device blocks"),
+    "a prefix kept by a request that fit no chunk": (
+        dict(_schedule_waiting=waiting_keeping_its_prefix), lambda ex: ex17.test_random_workloads(ex, 1),
+        r"case random workload 1 .*: step \d+: waiting request\(s\) \(id, blocks\) \[\('r\d', \[.*\]\)\] hold "
+        r"blocks after the step\n  -> a waiting request holds no block"),
     "the policy's admit never asked": (
         dict(_schedule_waiting=waiting_without_admit), ex17.test_the_policy_admits,
         r"case a long prompt the policy admits only when nothing runs .*: step 0: request\(s\) \['r1'\] were "
