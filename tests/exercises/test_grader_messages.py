@@ -891,6 +891,16 @@ def preempt_of_the_solution(scheduler, request, plan):
     load("solutions", "ex18_preemption").preempt(scheduler, request, plan)
 
 
+def make_room_from_the_end_by_hand(scheduler, request, num_tokens, plan, now):
+    blocks = scheduler.blocks
+    while blocks.blocks_needed(request, num_tokens) > blocks.num_free_blocks:
+        victim = scheduler.running[-1]                   # the bug: the default policy's victim, the policy never asked
+        preempt_of_the_solution(scheduler, victim, plan)
+        if victim is request:
+            return False
+    return True
+
+
 PLANTED_18 = {
     "a block not freed on recompute": (
         dict(preempt=preempt_keeping_the_blocks), ex18.test_preempt_by_recompute_frees_every_block,
@@ -905,6 +915,15 @@ PLANTED_18 = {
         r"case make room for one more block for the first of 3 running requests.*: preempted \['r0'.*\n  -> a "
         r"victim chosen from the wrong end"),
 }
+
+
+def test_exercise_18_names_a_victim_taken_without_the_policy():
+    """running[-1] is every built-in policy's victim, so only a policy that chooses otherwise
+    catches a make_room that never asks."""
+    with pytest.raises(pytest.fail.Exception, match=r"case make room for the last of 3 running requests under a policy "
+                       r"whose victim is the middle one: preempted \['r2'\], make_room returned False.*\n"
+                       r"  -> the victim is the policy's"):
+        ex18.test_make_room_asks_the_policy(preemption_module(make_room=make_room_from_the_end_by_hand))
 
 
 @pytest.mark.parametrize("planted", sorted(PLANTED_18))
@@ -942,7 +961,9 @@ def test_exercise_18_names_a_swap_in_that_recomputes():
 
 
 def test_exercise_18_never_fails_with_a_bare_assert():
-    for planted, (functions, _, _) in PLANTED_18.items():
+    mistakes = {**{planted: functions for planted, (functions, _, _) in PLANTED_18.items()},
+                "a victim taken without the policy": dict(make_room=make_room_from_the_end_by_hand)}
+    for planted, functions in mistakes.items():
         for test in unit_tests(ex18, PARAMS_18):
             try:
                 test(preemption_module(**functions))
