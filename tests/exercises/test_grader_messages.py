@@ -980,13 +980,16 @@ def test_exercise_18_end_to_end_catches_a_block_not_freed(llm):
 
 
 # ---- exercise 19: a stream without [DONE], the whole text in every chunk, a disconnect not aborted --
-def endpoint_module(old: str, new: str):
-    """exercise 19's API: the solution's module with one piece of its source replaced."""
+def endpoint_module(old: str, new: str, *more: tuple[str, str]):
+    """exercise 19's API: the solution's module with one piece of its source replaced (or more:
+    further (old, new) pairs)."""
     solution = load("solutions", "ex19_chat_endpoint")
     source = inspect.getsource(solution)
-    assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+    for old, new in [(old, new), *more]:
+        assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+        source = source.replace(old, new)
     module = types.ModuleType("planted_ex19")
-    exec(compile(source.replace(old, new), "planted_ex19", "exec"), module.__dict__)
+    exec(compile(source, "planted_ex19", "exec"), module.__dict__)
     return module
 
 
@@ -1010,6 +1013,39 @@ def test_exercise_19_names_the_planted_mistake(planted, llm):
     with ex19.serving(endpoint_module(old, new), llm) as served:
         with pytest.raises(pytest.fail.Exception, match=message):
             test(served, llm)
+
+
+def test_exercise_19_names_a_prompt_too_long_answered_500(llm):
+    old = ("            messages, params, stream = parse_chat_request(json.loads(await request.body()))\n"
+           "            prompt_ids = await engine.tokenize(messages=messages)\n"
+           "            group = await engine.add_requests([(request_id, prompt_ids, params)])\n"
+           "        except ValueError as error:    # bad JSON, bad fields, a prompt too long: the client's fault\n"
+           "            return bad_request(error)\n")
+    new = ("            messages, params, stream = parse_chat_request(json.loads(await request.body()))\n"
+           "        except ValueError as error:\n"
+           "            return bad_request(error)\n"
+           "        prompt_ids = await engine.tokenize(messages=messages)     # the bug: its ValueError is a 500\n"
+           "        group = await engine.add_requests([(request_id, prompt_ids, params)])\n")
+    with ex19.serving(endpoint_module(old, new), llm) as served:
+        with pytest.raises(pytest.fail.Exception, match=r"case a chat request whose prompt is longer than the model's "
+                           r"context: status 500, expected 400\n  -> tokenize raises ContextLengthError"):
+            ex19.test_bad_request_is_a_400(served)
+
+
+@pytest.mark.slow   # two engine runs of the 30-layer model, on a server of its own
+def test_exercise_19_names_usage_that_counts_outputs(llm):
+    module = endpoint_module(                            # the bug: one output counted as one token
+        "            final = None\n            async for _, output in group.outputs():\n"
+        "                final = output\n",
+        "            final, num_outputs = None, 0\n            async for _, output in group.outputs():\n"
+        "                final, num_outputs = output, num_outputs + 1\n",
+        ('"completion_tokens": len(final.token_ids),\n                 "total_tokens": len(prompt_ids) + '
+         'len(final.token_ids)}',
+         '"completion_tokens": num_outputs,\n                 "total_tokens": len(prompt_ids) + num_outputs}'))
+    with pytest.raises(pytest.fail.Exception, match=r"case a chat completion whose \d+ tokens were all generated "
+                       r"before the handler read its outputs .*: usage .*\n  -> completion_tokens counted the outputs, "
+                       r"not the tokens"):
+        ex19.test_usage_counts_tokens_not_outputs(module, llm, ex19.greedy_answer(llm))
 
 
 @pytest.mark.slow   # waits out the grader's 20 s for an abort that never comes
