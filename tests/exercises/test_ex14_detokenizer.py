@@ -93,18 +93,22 @@ STOPS = {1: b"ab", 2: b"ST", 3: b"OP", 4: b"cd", 5: b"xSTOPy", 6: b"S", 7: b"T"}
 def test_a_stop_string_split_across_tokens_is_never_shown(ex):
     case = "stop 'STOP' arriving as 'ST' + 'OP'"
     shown, stopped_at, text = stream(ex, STOPS, [1, 2, 3, 4], ["STOP"])
-    leaked = [s for s in shown if "S" in s]
+    leaked = [s for s in shown[:2] if "S" in s]     # the text shown before 'OP' arrived
     expect(not leaked, case, f"the text shown after each token was {shown!r}: 'ST' was shown before the stop "
                              "string was complete",
            "a stop string leaked across tokens: hold back the end of the text that could still be the start of a "
            "stop string (up to len(longest stop) - 1 characters) until the next token decides")
+    expect(stopped_at == 2, case, f"'ST' was held back, but add_token returned False when 'OP' completed the stop "
+                                  f"string (stopped at token {stopped_at}; the text shown after each token was "
+                                  f"{shown!r})",
+           "a stop string split across tokens was never found: search pending + the new piece, not the new piece "
+           "alone: the stop string ends in the new piece but starts in the held-back tail")
     expect("STOP" not in text.text, case, f"the text is {text.text!r}: the stop string is in it",
            "stop text shown: the stop string itself is never part of the text; release only what comes before "
            "it (the window up to where the stop starts), not through its end")
-    expect(stopped_at == 2 and text.text == "ab" and text.stopped_on == "STOP", case,
+    expect(text.text == "ab" and text.stopped_on == "STOP", case,
            f"stopped at token {stopped_at} with text {text.text!r}, stopped_on {text.stopped_on!r}",
-           "search pending + the new piece: the stop string ends in the new piece but starts in the held-back "
-           "tail; cut the text before it")
+           "cut the text before the stop string (it starts in the held-back tail), and set stopped_on to it")
 
 
 def test_a_stop_string_inside_one_token(ex):
@@ -123,6 +127,15 @@ def test_the_earliest_stop_string_wins(ex):
     expect(stopped_at == 1 and text.text == "ab" and text.stopped_on == "ST", case,
            f"stopped at token {stopped_at}, text {text.text!r}, stopped_on {text.stopped_on!r}",
            "when several stop strings appear, the one that starts first wins")
+    # both stop strings in one token's text: the earlier in the text wins, not the earlier in the list
+    case = "stops ['OP', 'ST'], both inside one token 'xSTOPy'"
+    _, stopped_at, text = stream(ex, STOPS, [1, 5], ["OP", "ST"])
+    expect(stopped_at == 1 and text.text == "abx" and text.stopped_on == "ST", case,
+           f"stopped at token {stopped_at}, text {text.text!r}, stopped_on {text.stopped_on!r}; expected text "
+           "'abx', stopped_on 'ST'",
+           "the first stop string of the list won, not the earliest in the text: of every stop string found in the "
+           "window, cut at the one that starts first (min over (position, stop))" if text.stopped_on == "OP" else
+           "when several stop strings appear in one window, the one that starts first wins")
 
 
 def test_a_false_start_is_released(ex):

@@ -94,6 +94,8 @@ class Reference:
             q = attn.q_proj(normed)[0].view(L, -1, attn.head_dim)
             _, k_rot = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], *cos_sin)
             self.k = k_rot[0].transpose(0, 1)
+            _, v_rot = apply_rotary_pos_emb(q.transpose(0, 1)[None], self.v.transpose(0, 1)[None], *cos_sin)
+            self.v_rotated = v_rot[0].transpose(0, 1)     # a mistake's values: rope is for q and k only
 
 
 def layer_setup(llm):
@@ -208,6 +210,10 @@ def check_cache(seqs, ref, seq, length, case):
         fail(case, ["the cache holds the keys before rope",
                     "-> store the keys after rope: rope(q, k, positions, ...) first, then store_kv of the rotated k "
                     "(later tokens read these keys and need them rotated)"])
+    if close(v, ref.v_rotated[:length]):
+        fail(case, ["the cache holds the values rotated by rope",
+                    "-> rope turns q and k only (the positions go into the scores q . k); v is stored and attended as "
+                    "linear(x, weights.qkv) gives it"])
     expect(close(v, ref.v[:length]), case, f"the values in the cache {differ(v, ref.v[:length])}",
            "v is the last Hkv * head_dim columns of linear(x, weights.qkv): split the columns as "
            "[H D | Hkv D | Hkv D]")
@@ -263,7 +269,14 @@ def test_attention_chunks_and_decodes(ex, setup):
             continue
         kinds = {kind for kind, _, _ in bad}
         described = ", ".join(f"{kind} of prompt {seq} (positions {ps[0]}..{ps[-1]})" for kind, seq, ps in bad)
-        if kinds == {"decode"}:
+        num_decodes = len(decodes)
+        expected_out = torch.cat([refs[seq].attn[ps] for seq, ps in rows])
+        decodes_first = torch.cat([out[num_decodes:], out[:num_decodes]]) if prefills and decodes else None
+        if decodes_first is not None and close(decodes_first, expected_out):
+            hint = ("the output rows are the decodes' then the prefill's: the batch holds the prefill chunks first "
+                    "(rows [:num_prefill_tokens]), then the decodes, and the output keeps that order: "
+                    "torch.cat([prefill_attention(...), decode_attention(...)])")
+        elif kinds == {"decode"}:
             hint = ("the rows after batch.num_prefill_tokens are decodes, one per sequence: decode_attention of "
                     "q[num_prefill_tokens:] with decode_block_tables, decode_seq_lens and batch.num_splits; a step "
                     "with no prefill token calls decode_attention only")

@@ -111,6 +111,20 @@ def test_greedy_rows(ex):
            "divide it by its temperature (1/0 is inf, inf - inf NaN) nor draw for it")
 
 
+def seeded_draw(logits, params, seeds, positions, scale_first=True):
+    """llmlab's seeded draw of every row (no greedy row here), or, scale_first=False, a mistake's:
+    the filters on the raw logits and the temperature after them."""
+    temperature = torch.tensor([p.temperature for p in params])
+    args = (torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.min_p for p in params]))
+    if scale_first:
+        x = reference.filter_logits(logits.float() * (1.0 / temperature)[:, None], *args)
+    else:
+        x = reference.filter_logits(logits.float(), *args) * (1.0 / temperature)[:, None]
+    keys = reference.row_keys(torch.tensor(seeds, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+    return (x + reference.gumbel_noise(keys[:, None], torch.arange(x.shape[-1])[None, :])).argmax(dim=-1)
+
+
 def test_seeded_tokens_are_llmlabs(ex):
     """The noise is llmlab's (row_keys, gumbel_noise), so every seeded draw equals llmlab's own
     Sampler's token for token: random rows, params, seeds and positions."""
@@ -122,11 +136,27 @@ def test_seeded_tokens_are_llmlabs(ex):
     seeds = torch.randint(-2**62, 2**62, (S,), generator=gen).tolist()
     positions = torch.randint(0, 500, (S,), generator=gen).tolist()
     got = ex.Sampler(0)(logits, params, seeds, positions)
+    # what a draw keyed on something else than (seed, output position) would give: a known mistake
+    mistakes = [
+        (seeded_draw(logits, params, seeds, list(range(S))),
+         "your draws are keyed on the row index, not the output position: row_keys(seeds, positions) takes each "
+         "row's own position (how many tokens its request has generated), so a request's draw is the same at any row"),
+        (seeded_draw(logits, params, seeds, [0] * S),
+         "your draws ignore the output position: row_keys(seeds, positions) keys each row on its seed and its "
+         "position, or every step of a request draws with the same noise"),
+        (seeded_draw(logits, params, seeds, positions, scale_first=False),
+         "temperature applied after filtering: scale first (x = logits * (1 / temperature)), then filter_logits, so "
+         "top-p and min-p cut on the probabilities the draw follows"),
+    ]
     for backend in ("reference", "torch"):
         expected = Sampler(0, backend)(logits, params, seeds, positions)
         wrong = [i for i in range(S) if got[i] != expected[i]]
         case = f"{S} seeded rows of {V} tokens, llmlab's {backend} Sampler"
+        named = [hint for draws, hint in mistakes
+                 if isinstance(got, torch.Tensor) and got.shape == draws.shape and torch.equal(got, draws)
+                 and not torch.equal(draws, expected)]
         expect(not wrong, case, f"rows {wrong} drew other tokens than llmlab's",
+               named[0] if named else
                "llmlab defines the draw: x = logits * (1 / temperature), filter_logits, then argmax(x + "
                "gumbel_noise(row_keys(seeds, positions)[:, None], token ids[None, :])); seeds and positions as int64 "
                "tensors")

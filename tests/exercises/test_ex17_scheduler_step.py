@@ -105,6 +105,12 @@ def check_plan(case: str, step: int, plan, expected, mine: Side, workload: Workl
                         f"{request.block_table} ({request.num_computed_tokens} computed tokens)",
                         "-> a block not freed on recompute: preempt frees the victim's blocks (blocks.free) and sets "
                         "num_computed_tokens = 0, so that it is prefilled again when re-admitted"])
+    holding = [(r.request_id, list(r.block_table)) for r in mine.scheduler.waiting if r.block_table]
+    if holding:
+        fail(case, [f"{where}: waiting request(s) (id, blocks) {holding} hold blocks after the step",
+                    "-> a waiting request holds no block: one that fit no chunk gives back the prefix blocks "
+                    "match_prefix shared with it (blocks.free(request), num_computed_tokens = 0), or the cached blocks "
+                    "stay referenced while it waits, and its next lookup is skipped (its block table is not empty)"])
     for rid in plan.swapped_in:
         if rid in mine.blocks.host_tables or not plan.swap_in_copies:
             fail(case, [f"{where}: request {rid} was swapped in, but its host blocks "
@@ -154,6 +160,13 @@ def check_plan(case: str, step: int, plan, expected, mine: Side, workload: Workl
                     "preempt only when a request cannot get its blocks, and then the policy's victim: "
                     "choose_victim(scheduler, scheduler.running, now), by default the last of the running queue "
                     "(the lowest priority, the newest under fcfs), never running[0]"])
+    if plan.swapped_in != expected.swapped_in:
+        early = [rid for rid in plan.swapped_in if rid not in expected.swapped_in]
+        fail(case, [f"{where}: swapped_in is {plan.swapped_in}, llmlab's is {expected.swapped_in}",
+                    ("-> swapped in too soon: " if early else "-> ") +
+                    "a swapped request comes back (sorted by policy_key) only while budget > 0, fewer than "
+                    "max_num_seqs run, and its host blocks + 1 fit in the free device blocks (the + 1: the block its "
+                    "next token may need); the first that does not fit ends phase 3"])
     if plan.swapped_out and len(plan.swap_out_copies) < len(plan.swapped_out):
         fail(case, [f"{where}: swapped out {plan.swapped_out} with copies {plan.swap_out_copies}",
                     "-> plan.swap_out_copies += blocks.swap_out(request): without the copies its K/V is lost"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from llmlab.plan import Plan, ScheduledItem
+from llmlab.policies import SchedulingPolicy
 from llmlab.request import RequestStatus
 from llmlab.scheduler import Scheduler
 from diagnose import fail
@@ -22,11 +23,11 @@ def expect(ok, case: str, what: str, hint: str) -> None:
         fail(case, [what, f"-> {hint}"])
 
 
-def full_scheduler(ex, mode: str) -> Side:
+def full_scheduler(ex, mode: str, policy="fcfs") -> Side:
     """llmlab's Scheduler with `ex`'s preemption functions, after one step that prefilled three
     6-token requests into all 6 blocks (2 each); each has sampled one token."""
     workload = Workload([(0, 6, 8)] * 3, dict(preemption_mode=mode, max_num_batched_tokens=32), num_blocks=6,
-                        num_host_blocks=8)
+                        num_host_blocks=8, policy=policy)
     side = Side(Scheduler, ex, workload)
     side.arrive(0, workload)
     plan = side.scheduler.schedule(now=0.0)
@@ -113,6 +114,32 @@ def test_make_room_preempts_from_the_right_end(ex):
     expect(ok is False and plan.preempted == [last.request_id], "make room for the last running request itself",
            f"make_room returned {ok!r}, preempted {plan.preempted}",
            "when the victim is the request itself, stop and return False (it cannot run this step)")
+
+
+class PreemptsTheMiddle(SchedulingPolicy):
+    """A policy whose victim is not running[-1]: the built-in policies all leave preempt_victim
+    at its default (the last of the running queue), so a make_room that takes running[-1]
+    itself passes with them and ignores every policy that chooses otherwise."""
+    name = "preempts the middle of the running queue"
+
+    def preempt_victim(self, running, now):
+        return running[len(running) // 2]
+
+
+def test_make_room_asks_the_policy(ex):
+    case = "make room for the last of 3 running requests under a policy whose victim is the middle one"
+    side = full_scheduler(ex, "recompute", PreemptsTheMiddle)
+    s = side.scheduler
+    last, middle = s.running[-1], s.running[1]
+    order = [r.request_id for r in s.running]
+    plan = Plan()
+    ok = ex.make_room(s, last, last.num_tokens + 4, plan, 1.0)
+    expect(plan.preempted == [middle.request_id] and ok is True, case,
+           f"preempted {plan.preempted}, make_room returned {ok!r}; the running queue was {order}, the policy's "
+           f"victim {middle.request_id}",
+           "the victim is the policy's: choose_victim(scheduler, scheduler.running, now) (it asks "
+           "scheduler.policy.preempt_victim), not running[-1] taken by hand: running[-1] is only the default policy's "
+           "choice")
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -5,6 +5,7 @@ official `openai` client (and raw HTTP where the client hides what is checked: t
 request, and a client that hangs up mid-stream must get its request aborted."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -32,8 +33,21 @@ def expect(ok, case: str, what: str, hint: str) -> None:
         fail(case, [what, f"-> {hint}"])
 
 
+class ReadAfterTheEnd(AsyncEngine):
+    """An AsyncEngine whose add_requests returns only once the engine has finished every request
+    (one request at a time here): all of a request's outputs are queued before the handler
+    reads the first, and RequestGroup.outputs() merges them into one, as it does for a slow
+    client or a busy event loop. Deterministic, unlike a real slow reader."""
+
+    async def add_requests(self, requests):
+        group = await super().add_requests(requests)
+        while self.num_unfinished:        # its final output is queued before it leaves the count
+            await asyncio.sleep(0.01)
+        return group
+
+
 @contextlib.contextmanager
-def serving(ex, llm, engine: llmlab.LLMEngine | None = None):
+def serving(ex, llm, engine: llmlab.LLMEngine | None = None, async_engine_class=AsyncEngine):
     """The student's app over an AsyncEngine of `engine` (default: one of its own, sharing
     `llm`'s weights), served by uvicorn; the engine thread starts and stops with the server
     (the grader's lifespan). Yields (base URL, the AsyncEngine)."""
@@ -41,7 +55,7 @@ def serving(ex, llm, engine: llmlab.LLMEngine | None = None):
         config = llmlab.EngineConfig(device="cpu", dtype="float32", backend="torch", num_gpu_blocks=64,
                                      async_scheduling=False)
         engine = llmlab.LLMEngine(config, model=llm.engine.model, tokenizer=llm.tokenizer)
-    async_engine = AsyncEngine(engine)
+    async_engine = async_engine_class(engine)
     app = ex.build_app(async_engine, MODEL)
 
     @contextlib.asynccontextmanager
@@ -96,6 +110,35 @@ def test_not_streamed(served, expected):
     expect(answer.id and answer.model == MODEL and answer.object == "chat.completion", case,
            f"id {answer.id!r}, model {answer.model!r}, object {answer.object!r}",
            f"the answer names itself: an id, object 'chat.completion', the model name given to build_app ({MODEL!r})")
+
+
+def test_usage_counts_tokens_not_outputs(ex, llm, expected):
+    """Outputs that piled up while the handler was busy reach it merged into one: usage counts
+    the final output's token ids, and the stream's deltas still add up to the text."""
+    case = (f"a chat completion whose {len(expected.token_ids)} tokens were all generated before the handler read "
+            "its outputs (merged into one, as for a slow reader), not streamed")
+    with serving(ex, llm, async_engine_class=ReadAfterTheEnd) as (url, _):
+        answer = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                     temperature=0.0)
+        chunks = list(client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                          temperature=0.0, stream=True))
+    want = (len(expected.prompt_token_ids), len(expected.token_ids))
+    usage = answer.usage
+    got = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else None
+    expect(got == want and usage.total_tokens == sum(want), case,
+           f"usage {usage}; expected prompt_tokens {want[0]}, completion_tokens {want[1]}, total_tokens {sum(want)}",
+           ("completion_tokens counted the outputs, not the tokens: one output may carry several tokens (outputs() "
+            "merges what piled up for a slow reader): completion_tokens is len(final.token_ids)"
+            if got is not None and got[1] != want[1] else
+            "prompt_tokens: the ids tokenize(messages=...) returned; completion_tokens: the final output's "
+            "token_ids; total_tokens their sum"))
+    expect(answer.choices[0].message.content == expected.text, case,
+           f"the answer is {answer.choices[0].message.content!r}, LLM.chat's greedy text {expected.text!r}",
+           "the answer is the final output's text (output.text: all of it, however many outputs came)")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expect(text == expected.text, case.replace("not streamed", "streamed"),
+           f"the deltas add up to {text!r}, LLM.chat's greedy text is {expected.text!r}",
+           "each chunk's delta.content is the output's delta_text, which holds every piece merged into it")
 
 
 def test_streamed(served, expected):
@@ -159,22 +202,36 @@ def test_stop_string(served, llm):
            "pass the body's stop strings on (parse_chat_request does); finish_reason is the output's")
 
 
+def status_and_body(url: str, **body) -> tuple[int, object]:
+    """The HTTP status of a chat request through the openai client, and the error's body (None
+    when it was answered). Outside the client's `except`, so a failure reports only its case."""
+    try:
+        client(url).chat.completions.create(**body)
+    except openai.APIStatusError as error:
+        return error.status_code, error.body
+    return 200, None
+
+
+def expect_a_400(url: str, body: dict, case: str, why: str) -> None:
+    status, error = status_and_body(url, **body)
+    expect(status != 200, case, "the request was answered", why)
+    expect(status == 400, case, f"status {status}, expected 400", why)
+    expect(isinstance(error, dict) and error.get("message"), case, f"the 400's body is {error!r}",
+           "answer {\"error\": {\"message\": str(error), \"type\": \"invalid_request_error\"}}")
+
+
 def test_bad_request_is_a_400(served):
-    url, _ = served
+    url, async_engine = served
     for body, what in [({"model": MODEL, "messages": []}, "no messages"),
                        ({"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, "max_tokens -1")]:
-        case = f"a chat request with {what}"
-        try:
-            client(url).chat.completions.create(**body)
-        except openai.BadRequestError as error:
-            expect(isinstance(error.body, dict) and error.body.get("message"), case,
-                   f"the 400's body is {error.body!r}",
-                   "answer {\"error\": {\"message\": str(error), \"type\": \"invalid_request_error\"}}")
-            continue
-        except openai.APIStatusError as error:
-            fail(case, [f"status {error.status_code}, expected 400",
-                        "-> a ValueError from parse_chat_request is the client's fault: JSONResponse(..., status_code=400)"])
-        fail(case, ["the request was answered", "-> parse_chat_request raises ValueError: answer 400"])
+        expect_a_400(url, body, f"a chat request with {what}",
+                     "a ValueError from parse_chat_request is the client's fault: JSONResponse(..., status_code=400)")
+    too_long = [{"role": "user", "content": "word " * async_engine.engine.max_model_len}]
+    expect_a_400(url, {"model": MODEL, "messages": too_long, "max_tokens": 4},
+                 "a chat request whose prompt is longer than the model's context",
+                 "tokenize raises ContextLengthError (a ValueError) for a prompt that does not fit, and add_requests "
+                 "a ValueError for one the engine refuses: the client's fault too, so the try that answers 400 covers "
+                 "parse_chat_request, tokenize and add_requests")
     case = "a body that is not JSON"
     with httpx.Client(timeout=60) as http:
         response = http.post(f"{url}/v1/chat/completions", content=b"{not json",

@@ -32,6 +32,19 @@ from llmlab.plan import Plan
 from llmlab.request import RequestStatus
 
 
+def solution_function(exercise: str, name: str, old: str, new: str):
+    """The function `name` of solutions/<exercise>.py ("Class.method" for a method) with the piece
+    `old` of its source replaced by `new` (the planted mistake), run in the solution's globals."""
+    solution = load("solutions", exercise)
+    owner, _, attribute = name.rpartition(".")
+    function = getattr(getattr(solution, owner) if owner else solution, attribute)
+    source = textwrap.dedent(inspect.getsource(function))
+    assert source.count(old) == 1, f"{name} of the solution no longer has {old!r}: update the planted mistake"
+    namespace = dict(vars(solution))
+    exec(compile(source.replace(old, new), f"planted {exercise}.{name}", "exec"), namespace)
+    return namespace[attribute]
+
+
 # ---- exercise 09: three allocators with one bug each -----------------------------------------------
 def allocator_module(**methods):
     """exercise 09's API: the solution's BlockAllocator with `methods` replaced."""
@@ -214,6 +227,31 @@ def match_keeping_the_table_empty(self, request):
     return len(matched) * self.block_size
 
 
+def release_first_block_first(self, request):
+    released = []
+    for block in request.block_table:                    # the bug: not reversed, a prompt's first block goes first
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            released.append(block)
+            if self.block_hash[block] is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+    request.block_table, request.num_cached_blocks = [], 0
+    return released
+
+
+def take_the_newest_evictable(self):
+    if self.free_blocks:
+        block = self.free_blocks.pop()
+    else:
+        block, _ = self.evictable.popitem()              # the bug: last=True, the most recently used goes
+        del self.cached_blocks[self.block_hash[block]]
+        self.block_hash[block] = None
+    self.ref_counts[block] = 1
+    return block
+
+
 PLANTED_13 = {
     "a block freed twice": (dict(free=release_twice), ex13.test_free,
                             r"case free a request of 9 tokens.*: block\(s\) \[.*\] are in free_blocks twice\n"
@@ -229,6 +267,14 @@ PLANTED_13 = {
         dict(match_prefix=match_leaving_blocks_evictable), ex13.test_a_freed_cached_block_is_found_again,
         r"case free a cached request, then look its prompt up: block \d+ is held by requests \['1'\] and is in "
         r"evictable too\n  -> .*match_prefix, a matched block whose count was 0 must be taken out of evictable"),
+    "a table freed first block first": (
+        dict(free=release_first_block_first), ex13.test_eviction_is_least_recently_used,
+        r"case evict with two freed cached requests.*: the new block is \[0\]; a's blocks \[0, 1\].*\n"
+        r"  -> a's first block was evicted before its second: free releases a table's blocks last block first"),
+    "the most recently used block evicted": (
+        dict(_take_block=take_the_newest_evictable), ex13.test_eviction_is_least_recently_used,
+        r"case evict with two freed cached requests.*: the new block is \[2\].*b's \[2, 3\]\n"
+        r"  -> one of b's blocks was evicted, though a's were freed first: .*popitem\(last=False\)"),
     "matched blocks left out of the block table": (
         dict(match_prefix=match_keeping_the_table_empty), ex13.test_match_prefix_shares_cached_blocks,
         r"case a second prompt sharing the first 8 of 10 tokens: match_prefix found 8 tokens, b's table \[\].*\n"
@@ -306,6 +352,41 @@ def release_through_the_stop(self, token_id):
     return False
 
 
+def search_the_new_piece_but_hold_back(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    if not piece:
+        return False
+    window = self.pending + piece
+    # the bug: the stop strings searched in the new piece only, though the tail is held back
+    found = [(at + len(self.pending), stop) for stop in self.stop if (at := piece.find(stop)) != -1]
+    if found:
+        at, self.stopped_on = min(found)
+        self._release(window[:at])
+        self.pending = ""
+        return True
+    keep = max(0, len(window) - self.hold_back)
+    self._release(window[:keep])
+    self.pending = window[keep:]
+    return False
+
+
+def first_stop_of_the_list(self, token_id):
+    piece = self.detokenizer.add_token(token_id)
+    if not piece:
+        return False
+    window = self.pending + piece
+    found = [(at, stop) for stop in self.stop if (at := window.find(stop)) != -1]
+    if found:
+        at, self.stopped_on = found[0]                   # the bug: the list's first, not the text's first
+        self._release(window[:at])
+        self.pending = ""
+        return True
+    keep = max(0, len(window) - self.hold_back)
+    self._release(window[:keep])
+    self.pending = window[keep:]
+    return False
+
+
 PLANTED_14 = {
     "a stop string leaked across tokens": (
         dict(OutputText="add_token", method=search_the_new_piece_only),
@@ -316,6 +397,16 @@ PLANTED_14 = {
         dict(IncrementalDetokenizer="add_token", method=decode_the_new_token_alone),
         ex14.test_a_character_split_over_tokens_waits,
         r"case 'é' split over two tokens.*U\+FFFD \(a half character\) was shown\n  -> a UTF-8 character was split"),
+    "a held-back stop string searched in the new piece only": (
+        dict(OutputText="add_token", method=search_the_new_piece_but_hold_back),
+        ex14.test_a_stop_string_split_across_tokens_is_never_shown,
+        r"case stop 'STOP' arriving as 'ST' \+ 'OP': 'ST' was held back, but add_token returned False when 'OP' "
+        r"completed the stop string.*\n  -> a stop string split across tokens was never found: search pending \+ "
+        r"the new piece"),
+    "the first stop string of the list wins": (
+        dict(OutputText="add_token", method=first_stop_of_the_list), ex14.test_the_earliest_stop_string_wins,
+        r"case stops \['OP', 'ST'\], both inside one token 'xSTOPy': .*stopped_on 'OP'.*\n  -> the first stop "
+        r"string of the list won, not the earliest in the text"),
     "stop text shown": (
         dict(OutputText="add_token", method=release_through_the_stop),
         ex14.test_a_stop_string_split_across_tokens_is_never_shown,
@@ -393,10 +484,31 @@ def residual_dropped(self, hidden, residual, positions, batch, k_cache, v_cache,
     return self.mlp(x, b), residual
 
 
+def rope_on_v_too():
+    """The solution's attention, with v rotated by rope as well as q and k."""
+    line = "q, k = kernels.rope(q, k, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)"
+    bug = "; _, v = kernels.rope(q, v, positions, cfg.rope_theta, cfg.rope_scaling, backend=b)"
+    return solution_function("ex15_decoder_layer", "DecoderLayer.attention", line, line + bug)
+
+
+def decode_rows_first():
+    """The solution's attention, with the decodes' output put before the prefill's."""
+    return solution_function("ex15_decoder_layer", "DecoderLayer.attention",
+                             "out = parts[0] if len(parts) == 1 else torch.cat(parts)",
+                             "out = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])")
+
+
 PLANTED_15 = {
     "keys stored before rope": (dict(attention=store_before_rope), ex15.test_attention_of_one_prompt,
                                 r"case attention over one prompt.*: the cache holds the keys before rope\n"
                                 r"  -> store the keys after rope"),
+    "rope applied to v": (dict(attention=rope_on_v_too()), ex15.test_attention_of_one_prompt,
+                          r"case attention over one prompt.*: the cache holds the values rotated by rope\n"
+                          r"  -> rope turns q and k only"),
+    "decode rows before prefill rows": (
+        dict(attention=decode_rows_first()), ex15.test_attention_chunks_and_decodes,
+        r"case step prompt 0's second chunk \(8 tokens\) and a decode of prompt 1: differ from HF: .*\n"
+        r"  -> the output rows are the decodes' then the prefill's"),
     "gate and up swapped": (dict(mlp=gate_and_up_swapped), ex15.test_mlp,
                             r"case mlp of 5 rows: your mlp computes silu\(up\) \* gate\n"
                             r"  -> weights.gate_up holds the gate rows first"),
@@ -489,6 +601,13 @@ def temperature_after_the_filters(self, logits, params, seeds, positions):
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
+def keyed_on_the_row_index():
+    """The solution's Sampler.__call__, with each row's draw keyed on its row index, not its position."""
+    return solution_function("ex16_sampler", "Sampler.__call__",
+                             "torch.tensor(positions, dtype=torch.int64, device=device))",
+                             "torch.arange(len(seeds), dtype=torch.int64, device=device))")
+
+
 PLANTED_16 = {
     "a seeded draw that depends on batch order": (
         dict(call=noise_from_one_generator), ex16.test_a_seeded_draw_does_not_depend_on_the_batch,
@@ -501,6 +620,10 @@ PLANTED_16 = {
         dict(call=temperature_on_greedy_rows), ex16.test_greedy_rows,
         r"case a batch of greedy rows.*: greedy rows \[.*\] took tokens .*\n"
         r"  -> a greedy row .* takes the argmax of its raw logits: do not divide it by its temperature"),
+    "a seeded draw keyed on the row index": (
+        dict(call=keyed_on_the_row_index()), ex16.test_seeded_tokens_are_llmlabs,
+        r"case 16 seeded rows of 1000 tokens, llmlab's reference Sampler: rows \[.*\] drew other tokens than "
+        r"llmlab's\n  -> your draws are keyed on the row index, not the output position"),
     "temperature applied after filtering": (
         dict(call=temperature_after_the_filters), ex16.test_temperature_scales_before_the_filters,
         r"case 2000 seeded draws of logits \[2, 1, 0, -1\] at temperature 3, top_p 0.7: tokens drawn \[0, 1\], "
@@ -513,6 +636,14 @@ def test_exercise_16_names_the_planted_mistake(planted):
     spec, test, message = PLANTED_16[planted]
     with pytest.raises(pytest.fail.Exception, match=message):
         test(sampler_module(**spec))
+
+
+def test_exercise_16_seeded_tokens_name_the_temperature_after_the_filters():
+    """The seeded-tokens case, which runs first, names that mistake too (it used to say only
+    which rows differ, and the case that names it came after)."""
+    with pytest.raises(pytest.fail.Exception, match=r"case 16 seeded rows .*: rows \[.*\] drew other tokens than "
+                                                    r"llmlab's\n  -> temperature applied after filtering"):
+        ex16.test_seeded_tokens_are_llmlabs(sampler_module(call=temperature_after_the_filters))
 
 
 def test_exercise_16_never_fails_with_a_bare_assert():
@@ -609,6 +740,21 @@ def waiting_without_admit(self, plan, budget, now):
     return _waiting_without_admit()(self, plan, budget, now)
 
 
+def swap_in_without_room_to_grow(self, plan, budget, now):
+    """The solution's phase 3, with no block kept for the swapped request's next token."""
+    planted = solution_function("ex17_scheduler_step", "Scheduler._schedule_swapped",
+                                "len(self.blocks.host_tables[request.request_id]) + 1 >",
+                                "len(self.blocks.host_tables[request.request_id]) >")   # the bug: no + 1
+    return planted(self, plan, budget, now)
+
+
+def waiting_keeping_its_prefix(self, plan, budget, now):
+    """The solution's phase 4, where a request that fit no chunk keeps the prefix blocks it matched."""
+    planted = solution_function("ex17_scheduler_step", "Scheduler._schedule_waiting",
+                                "self.blocks.free(request)", "pass   # the bug: its matched blocks kept")
+    return planted(self, plan, budget, now)
+
+
 PLANTED_17 = {
     "a decode starved by prefills": (
         dict(schedule=prefills_before_decodes), ex17.test_decodes_are_never_starved,
@@ -627,6 +773,15 @@ PLANTED_17 = {
         lambda ex: ex17.test_preemption_when_out_of_blocks(ex, "recompute"),
         r"case out of blocks .*: step \d+: the step allocated more blocks than are free \(out of KV blocks.*\)\n"
         r"  -> every allocation must fit the free blocks"),
+    "a swap-in without a block for the next token": (
+        dict(_schedule_swapped=swap_in_without_room_to_grow),
+        lambda ex: ex17.test_preemption_when_out_of_blocks(ex, "swap"),
+        r"case out of blocks .*: step \d+: swapped_in is \['r1', 'r2'\], llmlab's is \['r1'\]\n"
+        r"  -> swapped in too soon: .*its host blocks \+ 1 fit in the free device blocks"),
+    "a prefix kept by a request that fit no chunk": (
+        dict(_schedule_waiting=waiting_keeping_its_prefix), lambda ex: ex17.test_random_workloads(ex, 1),
+        r"case random workload 1 .*: step \d+: waiting request\(s\) \(id, blocks\) \[\('r\d', \[.*\]\)\] hold "
+        r"blocks after the step\n  -> a waiting request holds no block"),
     "the policy's admit never asked": (
         dict(_schedule_waiting=waiting_without_admit), ex17.test_the_policy_admits,
         r"case a long prompt the policy admits only when nothing runs .*: step 0: request\(s\) \['r1'\] were "
@@ -736,6 +891,16 @@ def preempt_of_the_solution(scheduler, request, plan):
     load("solutions", "ex18_preemption").preempt(scheduler, request, plan)
 
 
+def make_room_from_the_end_by_hand(scheduler, request, num_tokens, plan, now):
+    blocks = scheduler.blocks
+    while blocks.blocks_needed(request, num_tokens) > blocks.num_free_blocks:
+        victim = scheduler.running[-1]                   # the bug: the default policy's victim, the policy never asked
+        preempt_of_the_solution(scheduler, victim, plan)
+        if victim is request:
+            return False
+    return True
+
+
 PLANTED_18 = {
     "a block not freed on recompute": (
         dict(preempt=preempt_keeping_the_blocks), ex18.test_preempt_by_recompute_frees_every_block,
@@ -750,6 +915,15 @@ PLANTED_18 = {
         r"case make room for one more block for the first of 3 running requests.*: preempted \['r0'.*\n  -> a "
         r"victim chosen from the wrong end"),
 }
+
+
+def test_exercise_18_names_a_victim_taken_without_the_policy():
+    """running[-1] is every built-in policy's victim, so only a policy that chooses otherwise
+    catches a make_room that never asks."""
+    with pytest.raises(pytest.fail.Exception, match=r"case make room for the last of 3 running requests under a policy "
+                       r"whose victim is the middle one: preempted \['r2'\], make_room returned False.*\n"
+                       r"  -> the victim is the policy's"):
+        ex18.test_make_room_asks_the_policy(preemption_module(make_room=make_room_from_the_end_by_hand))
 
 
 @pytest.mark.parametrize("planted", sorted(PLANTED_18))
@@ -787,7 +961,9 @@ def test_exercise_18_names_a_swap_in_that_recomputes():
 
 
 def test_exercise_18_never_fails_with_a_bare_assert():
-    for planted, (functions, _, _) in PLANTED_18.items():
+    mistakes = {**{planted: functions for planted, (functions, _, _) in PLANTED_18.items()},
+                "a victim taken without the policy": dict(make_room=make_room_from_the_end_by_hand)}
+    for planted, functions in mistakes.items():
         for test in unit_tests(ex18, PARAMS_18):
             try:
                 test(preemption_module(**functions))
@@ -804,13 +980,16 @@ def test_exercise_18_end_to_end_catches_a_block_not_freed(llm):
 
 
 # ---- exercise 19: a stream without [DONE], the whole text in every chunk, a disconnect not aborted --
-def endpoint_module(old: str, new: str):
-    """exercise 19's API: the solution's module with one piece of its source replaced."""
+def endpoint_module(old: str, new: str, *more: tuple[str, str]):
+    """exercise 19's API: the solution's module with one piece of its source replaced (or more:
+    further (old, new) pairs)."""
     solution = load("solutions", "ex19_chat_endpoint")
     source = inspect.getsource(solution)
-    assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+    for old, new in [(old, new), *more]:
+        assert source.count(old) == 1, f"the solution no longer has {old!r}: update the planted mistake"
+        source = source.replace(old, new)
     module = types.ModuleType("planted_ex19")
-    exec(compile(source.replace(old, new), "planted_ex19", "exec"), module.__dict__)
+    exec(compile(source, "planted_ex19", "exec"), module.__dict__)
     return module
 
 
@@ -834,6 +1013,39 @@ def test_exercise_19_names_the_planted_mistake(planted, llm):
     with ex19.serving(endpoint_module(old, new), llm) as served:
         with pytest.raises(pytest.fail.Exception, match=message):
             test(served, llm)
+
+
+def test_exercise_19_names_a_prompt_too_long_answered_500(llm):
+    old = ("            messages, params, stream = parse_chat_request(json.loads(await request.body()))\n"
+           "            prompt_ids = await engine.tokenize(messages=messages)\n"
+           "            group = await engine.add_requests([(request_id, prompt_ids, params)])\n"
+           "        except ValueError as error:    # bad JSON, bad fields, a prompt too long: the client's fault\n"
+           "            return bad_request(error)\n")
+    new = ("            messages, params, stream = parse_chat_request(json.loads(await request.body()))\n"
+           "        except ValueError as error:\n"
+           "            return bad_request(error)\n"
+           "        prompt_ids = await engine.tokenize(messages=messages)     # the bug: its ValueError is a 500\n"
+           "        group = await engine.add_requests([(request_id, prompt_ids, params)])\n")
+    with ex19.serving(endpoint_module(old, new), llm) as served:
+        with pytest.raises(pytest.fail.Exception, match=r"case a chat request whose prompt is longer than the model's "
+                           r"context: status 500, expected 400\n  -> tokenize raises ContextLengthError"):
+            ex19.test_bad_request_is_a_400(served)
+
+
+@pytest.mark.slow   # two engine runs of the 30-layer model, on a server of its own
+def test_exercise_19_names_usage_that_counts_outputs(llm):
+    module = endpoint_module(                            # the bug: one output counted as one token
+        "            final = None\n            async for _, output in group.outputs():\n"
+        "                final = output\n",
+        "            final, num_outputs = None, 0\n            async for _, output in group.outputs():\n"
+        "                final, num_outputs = output, num_outputs + 1\n",
+        ('"completion_tokens": len(final.token_ids),\n                 "total_tokens": len(prompt_ids) + '
+         'len(final.token_ids)}',
+         '"completion_tokens": num_outputs,\n                 "total_tokens": len(prompt_ids) + num_outputs}'))
+    with pytest.raises(pytest.fail.Exception, match=r"case a chat completion whose \d+ tokens were all generated "
+                       r"before the handler read its outputs .*: usage .*\n  -> completion_tokens counted the outputs, "
+                       r"not the tokens"):
+        ex19.test_usage_counts_tokens_not_outputs(module, llm, ex19.greedy_answer(llm))
 
 
 @pytest.mark.slow   # waits out the grader's 20 s for an abort that never comes
