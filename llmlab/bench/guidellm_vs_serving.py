@@ -24,13 +24,21 @@ mean, the figure its console table shows; `bench serving`'s output tokens / dura
 GuideLLM's errored requests and both TTFT and ITL medians. GuideLLM runs from the clients'
 venv (--clients-venv, default $LLMLAB_CLIENTS_VENV or .venv-clients), offline, with the
 embedded model's tokenizer folder.
+
+On a machine of few cores the clients share the cores with the server they measure: each
+row gives both clients' CPU seconds per second of their run (GuideLLM's from its process
+tree, start-up included, the same for every point of one run). GuideLLM starts up to 10
+worker processes; --guidellm-workers sets its GUIDELLM__MAX_WORKER_PROCESSES (with 1 on a
+2-core host, its synchronous point waited for its own data: "conversations were loaded late").
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import resource
 import subprocess
+import time
 import tempfile
 from pathlib import Path
 
@@ -54,18 +62,23 @@ def add_arguments(parser) -> None:
                         help="points of GuideLLM's sweep (at least 2: synchronous and throughput); 0 = no sweep")
     parser.add_argument("--sweep-requests", type=positive_int, default=16, help="requests per sweep point")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guidellm-workers", type=positive_int, default=None,
+                        help="GuideLLM's worker processes (default: its own, up to 10)")
     parser.add_argument("--out", default=None, help="write every point of both clients as JSON")
 
 
 # ---- GuideLLM ------------------------------------------------------------------------------
-def guidellm(args, url: str, model: str, tokenizer: str, profile: str, num_requests: int) -> list[dict]:
-    """Run GuideLLM once (`profile`: its --profile value); its benchmarks, as its JSON has them."""
+def guidellm(args, url: str, model: str, tokenizer: str, profile: str, num_requests: int) -> tuple[list[dict], float]:
+    """Run GuideLLM once (`profile`: its --profile value): its benchmarks, as its JSON has them,
+    and the CPU seconds its processes used per second of wall time."""
     binary = Path(args.clients_venv).resolve() / "bin" / "guidellm"    # (it runs in a folder of its own)
     if not binary.exists():
         raise ValueError(f"no GuideLLM at {binary}: `make clients` builds .venv-clients, or pass --clients-venv")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)    # its own packages, not ours
+    if args.guidellm_workers is not None:
+        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(args.guidellm_workers)
     with tempfile.TemporaryDirectory() as folder:
         output = Path(folder) / "guidellm.json"
         command = [str(binary), "run",
@@ -75,8 +88,11 @@ def guidellm(args, url: str, model: str, tokenizer: str, profile: str, num_reque
                    "--profile", profile, "--constraint", f"kind=max_requests,count={num_requests}",
                    "--output", f"kind=json,path={output}", "--disable-console-interactive"]
         print("$", " ".join(command), flush=True)
+        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         subprocess.run(command, cwd=folder, env=env, check=True)
-        return json.loads(output.read_text())["benchmarks"]
+        after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return json.loads(output.read_text())["benchmarks"], cpu / wall
 
 
 def guidellm_point(benchmark: dict, max_concurrency: int) -> dict:
@@ -118,7 +134,7 @@ def serving_point(args, url: str, model: str, point: dict, num_requests: int, se
     return {"output_tok_s": result["output_throughput"], "completed": result["completed"],
             "failed": result["failed"], "ttft_p50_ms": result["ttft_ms"].get("median") if result["ttft_ms"] else None,
             "itl_p50_ms": result["itl_ms"].get("median") if result["itl_ms"] else None,
-            "mean_prompt_tokens": result["mean_prompt_tokens"]}
+            "mean_prompt_tokens": result["mean_prompt_tokens"], "client_cpu_share": result["client_cpu_share"]}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -134,7 +150,8 @@ def format_rows(rows: list[dict]) -> str:
                      f"{b['output_tok_s']:>14.1f}{ratio:>7.2f} | {g['errored']:>7} | "
                      f"{ms(g['ttft_p50_ms']) + ' / ' + ms(b['ttft_p50_ms']):>16} | "
                      f"{ms(g['itl_p50_ms']) + ' / ' + ms(b['itl_p50_ms']):>15} | "
-                     f"{g['mean_prompt_tokens']:>7.1f} / {b['mean_prompt_tokens']:<5.1f}")
+                     f"{g['mean_prompt_tokens']:>7.1f} / {b['mean_prompt_tokens']:<5.1f} | "
+                     f"{g['client_cpu_share']:>6.2f} / {b['client_cpu_share']:<5.2f}")
     return "\n".join(lines)
 
 
@@ -156,12 +173,15 @@ def main(args) -> dict:
                                   f"max_concurrency={args.max_concurrency}",
                          args.sweep_requests))
         for run, profile, num_requests in runs:
-            for benchmark in guidellm(args, url, model, tokenizer, profile, num_requests):
+            benchmarks, cpu_share = guidellm(args, url, model, tokenizer, profile, num_requests)
+            for benchmark in benchmarks:
                 rows.append({"run": run, **guidellm_point(benchmark, args.max_concurrency)})
+                rows[-1]["guidellm"]["client_cpu_share"] = cpu_share    # the whole run's, every point alike
                 rows[-1]["serving"] = serving_point(args, url, model, rows[-1], num_requests, args.seed + len(rows))
     print(format_rows(rows))
     report = {"model": model, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-              "max_concurrency": args.max_concurrency, "serve_args": args.serve_args, "rows": rows,
+              "max_concurrency": args.max_concurrency, "serve_args": args.serve_args,
+              "guidellm_workers": args.guidellm_workers, "rows": rows,
               "machine": machine_info()}
     write_json(args.out, report)
     return report

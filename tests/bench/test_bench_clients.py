@@ -45,11 +45,13 @@ def test_the_table_puts_both_throughputs_and_the_errors_side_by_side():
     row = {"run": "throughput", **guidellm_point(benchmark({"type_": "throughput", "max_concurrency": 4}, 20.0, 2),
                                                  max_concurrency=4),
            "serving": {"output_tok_s": 25.0, "completed": 8, "failed": 0, "ttft_p50_ms": 640.0, "itl_p50_ms": 190.0,
-                       "mean_prompt_tokens": 17.0}}
+                       "mean_prompt_tokens": 17.0, "client_cpu_share": 0.31}}
+    row["guidellm"]["client_cpu_share"] = 1.42
     line = format_rows([row]).splitlines()[1]
     assert "20.0" in line and "25.0" in line and "0.80" in line           # GuideLLM / bench serving
     assert line.split("|")[2].strip() == "2"                               # GuideLLM's errored requests
     assert "650 / 640" in line and "200 / 190" in line
+    assert "1.42 / 0.31" in line                                           # each client's CPU share
 
 
 def test_sigma_zero_gives_every_prompt_and_output_the_asked_length():
