@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import time
 
 import torch
@@ -249,11 +250,12 @@ def write_json(path, data, indent=1) -> None:
 # ----------------------------------------------------------------------------- a server to measure
 
 @contextlib.contextmanager
-def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900):
+def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900, cpus: set[int] | None = None):
     """The base URL of the server a client benchmark measures: `base_url` when given, else an
     `llmlab serve` started here in a process of its own (so the measuring client never shares
     the engine's interpreter) on a free loopback port, with `serve_args` (e.g. "--max-num-seqs
-    16"), stopped by SIGTERM when the block ends. Its output goes to this process's stderr."""
+    16"), stopped by SIGTERM when the block ends. Its output goes to this process's stderr.
+    `cpus`: the server (and its engine process) runs on these CPUs only, with as many threads."""
     if base_url:
         yield base_url.rstrip("/")
         return
@@ -269,7 +271,11 @@ def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900):
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), "--log-level", "warning",
                *shlex.split(serve_args)]
-    process = subprocess.Popen(command)
+    if cpus:
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}    # torch's threads: one per CPU it may use
+        process = subprocess.Popen(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    else:
+        process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

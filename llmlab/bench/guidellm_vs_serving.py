@@ -30,6 +30,10 @@ row gives both clients' CPU seconds per second of their run (GuideLLM's from its
 tree, start-up included, the same for every point of one run). GuideLLM starts up to 10
 worker processes; --guidellm-workers sets its GUIDELLM__MAX_WORKER_PROCESSES (with 1 on a
 2-core host, its synchronous point waited for its own data: "conversations were loaded late").
+On a 2-core host GuideLLM used 0.35-0.48 of a core against `bench serving`'s 0.01, and the
+server it measured ran its steps 1.4-1.7x slower (its ITL) for it. --client-cpus N keeps the
+last N CPUs for the two clients and starts the server on the others, so both measure the
+same server, whatever each costs.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--guidellm-workers", type=positive_int, default=None,
                         help="GuideLLM's worker processes (default: its own, up to 10)")
+    parser.add_argument("--client-cpus", type=int, default=0,
+                        help="the clients run on the last N CPUs, the server started here on the others (0: all share)")
     parser.add_argument("--out", default=None, help="write every point of both clients as JSON")
 
 
@@ -165,7 +171,14 @@ def main(args) -> dict:
         raise ValueError(f"--sweep-size must be 0 (no sweep) or at least 2, got {args.sweep_size}")
     tokenizer = args.tokenizer or str(resolve_model(None))
     rows = []
-    with served(args.base_url, args.serve_args) as url:
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 <= args.client_cpus < len(cpus) or (args.client_cpus and args.base_url):
+        raise ValueError(f"--client-cpus must leave the server started here at least one of the {len(cpus)} CPUs "
+                         f"(and needs no --base-url), got {args.client_cpus}")
+    server_cpus = set(cpus[:len(cpus) - args.client_cpus]) if args.client_cpus else None
+    with served(args.base_url, args.serve_args, cpus=server_cpus) as url:
+        if args.client_cpus:    # this process (bench serving) and GuideLLM, which inherits it
+            os.sched_setaffinity(0, cpus[len(cpus) - args.client_cpus:])
         model = args.model or httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
         runs = [("throughput", f"kind=throughput,max_concurrency={args.max_concurrency}", args.num_requests)]
         if args.sweep_size:
@@ -181,7 +194,8 @@ def main(args) -> dict:
     print(format_rows(rows))
     report = {"model": model, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
               "max_concurrency": args.max_concurrency, "serve_args": args.serve_args,
-              "guidellm_workers": args.guidellm_workers, "rows": rows,
+              "guidellm_workers": args.guidellm_workers,
+              "server_cpus": sorted(server_cpus) if server_cpus else None, "rows": rows,
               "machine": machine_info()}
     write_json(args.out, report)
     return report

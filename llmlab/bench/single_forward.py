@@ -1,6 +1,13 @@
 """single forward (SwiftLLM's first benchmark): one prefill forward and one decode step
 over a grid of (batch size, sequence length), llmlab against HF transformers (sdpa) in
-the same process; random bf16 weights in the Llama-3-8B shape unless --model is given."""
+the same process; random bf16 weights in the Llama-3-8B shape unless --model is given.
+
+--mixed-prompt-lens P1,P2,... adds whole engine steps (scheduler, forward, sampler, async
+scheduling, as a server runs them) that mix decodes with a prompt: for each batch size B,
+B requests decode at the first --seq-lens context while, before every step, a new P-token
+prompt arrives (max_tokens 1: it is read and answered in that step). Milliseconds per step
+in steady state, P = 0 (decodes alone) first: what a prompt's arrival costs every running
+stream, the tail of a server's time between tokens."""
 from __future__ import annotations
 
 from llmlab.bench.common import LLAMA3_8B, median_ms, random_engine, random_hf_model, write_json
@@ -19,6 +26,8 @@ def add_arguments(parser) -> None:
                         help="print the GPU time per kernel of one eager decode step per cell")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs (the peer for --tp, whose steps are eager)")
+    parser.add_argument("--mixed-prompt-lens", default="",
+                        help="comma-separated prompt lengths: also time engine steps of decodes plus one such prompt")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size: shard llmlab's model over this many GPUs "
                              "(the HF peer stays on one)")
@@ -69,6 +78,47 @@ def llmlab_cells(engine, batch_size, seq_len, do_prefill, profile=False):
     return prefill_ms, decode_ms
 
 
+def mixed_steps(engine, batch_size, context, prompt_len, steps=40) -> float:
+    """Median-free steady state: ms per `engine.step()` over `steps` steps in which
+    `batch_size` requests decode (after `context` prompt tokens) and, when prompt_len > 0, a
+    new prompt of that many tokens arrives before each step (max_tokens 1). The same steps
+    once before, untimed (compiles and captures what they need)."""
+    import time
+
+    import torch
+
+    from llmlab import SamplingParams
+
+    generator = torch.Generator().manual_seed(prompt_len)
+
+    def ids(n):
+        return torch.randint(16, engine.model_config.vocab_size, (n,), generator=generator).tolist()
+
+    running = [engine.add_request(ids(context), SamplingParams(max_tokens=10_000, ignore_eos=True))
+               for _ in range(batch_size)]
+    while any(engine.requests[r].num_computed_tokens < context for r in running):   # their prompts read
+        engine.step()
+
+    def run():
+        for _ in range(steps):
+            if prompt_len:
+                engine.add_request(ids(prompt_len), SamplingParams(max_tokens=1, ignore_eos=True))
+            engine.step()
+
+    run()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    run()
+    sync()
+    ms = (time.perf_counter() - start) / steps * 1000
+    for request_id in running:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ms
+
+
 def hf_cells(model, batch_size, seq_len, do_prefill, vocab):
     import torch
     from transformers import DynamicCache
@@ -103,18 +153,26 @@ def main(args) -> list[dict]:
         check_seq_len(seq_len, ModelConfig.from_hf(LLAMA3_8B).context_length)
     if not torch.cuda.is_available():
         raise ValueError("single-forward times GPU forwards; it needs a CUDA device")
+    mixed = sorted({0, *(int(x) for x in args.mixed_prompt_lens.split(",") if x)}) if args.mixed_prompt_lens else []
     max_tokens = max(b * s for b in batch_sizes for s in seq_lens) + max(batch_sizes)
     block_size = 16
-    llm, hf_config = random_engine(args, num_gpu_blocks=max_tokens // block_size + 2 * max(batch_sizes) + 8,
-                                   max_num_seqs=max(batch_sizes),
-                                   max_num_batched_tokens=min(args.prefill_tokens_max, max_tokens))
+    # mixed steps: the decodes' contexts grow by 2 x 40 steps (+ their prompt's last block), plus one prompt
+    mixed_blocks = (max(batch_sizes) * ((seq_lens[0] + 100) // block_size + 2) + max(mixed) // block_size + 2
+                    if mixed else 0)
+    llm, hf_config = random_engine(args, num_gpu_blocks=max(max_tokens // block_size + 2 * max(batch_sizes) + 8,
+                                                            mixed_blocks),
+                                   max_num_seqs=max(batch_sizes) + (1 if mixed else 0),
+                                   max_num_batched_tokens=max(min(args.prefill_tokens_max, max_tokens),
+                                                              max(batch_sizes) + max(mixed, default=0)))
     engine = llm.engine
     cells = [(b, s) for b in batch_sizes for s in seq_lens]
     results = []
+    impl = "llmlab" + (f" (tp={args.tp})" if args.tp > 1 else "") + (" eager" if args.enforce_eager else "")
     for b, s in cells:
         p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max, args.profile)
-        impl = "llmlab" + (f" (tp={args.tp})" if args.tp > 1 else "") + (" eager" if args.enforce_eager else "")
         results.append({"impl": impl, "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
+    mixed_rows = [{"impl": impl, "batch_size": b, "seq_len": seq_lens[0], "prompt_len": p,
+                   "step_ms": mixed_steps(engine, b, seq_lens[0], p)} for b in batch_sizes for p in mixed]
     if not args.no_hf:
         if engine.executor is not None:   # tensor parallel: free the other GPUs' workers now
             engine.executor.shutdown()
@@ -131,5 +189,11 @@ def main(args) -> list[dict]:
     for r in results:
         p = "-" if r["prefill_ms"] is None else f"{r['prefill_ms']:.2f}"
         print(f"| {r['impl']} | {r['batch_size']} | {r['seq_len']} | {p} | {r['decode_ms']:.2f} |")
-    write_json(args.out, {"device": name, "results": results}, indent=2)
+    if mixed_rows:
+        print(f"\nengine steps: decodes at context {seq_lens[0]} plus one new prompt a step")
+        print("| batch | prompt tokens | ms per step | vs decodes alone |\n|---|---|---|---|")
+        for r in mixed_rows:
+            alone = next(m["step_ms"] for m in mixed_rows if m["batch_size"] == r["batch_size"] and not m["prompt_len"])
+            print(f"| {r['batch_size']} | {r['prompt_len']} | {r['step_ms']:.2f} | {r['step_ms'] / alone:.2f}x |")
+    write_json(args.out, {"device": name, "results": results, "mixed_steps": mixed_rows}, indent=2)
     return results

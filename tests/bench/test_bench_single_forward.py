@@ -31,3 +31,15 @@ def test_a_cell_is_checked_against_the_engine_before_its_batch_is_built(llm):
     with pytest.raises(ValueError, match=r"--seq-lens 128 is too long: .* at most 128 tokens"):
         llmlab_cells(engine, 1, 128, do_prefill=True)
     assert_all_blocks_free(engine)
+
+
+def test_mixed_steps_time_decodes_with_a_prompt_arriving_each_step_and_leave_nothing_behind(llm):
+    """--mixed-prompt-lens: a few whole engine steps of 2 decodes (after 20 prompt tokens) with
+    an 8-token prompt arriving before each; every request is gone and every block back after."""
+    from llmlab.bench.single_forward import mixed_steps
+
+    engine = embedded_engine(llm, num_gpu_blocks=64)
+    for prompt_len in (0, 8):
+        assert mixed_steps(engine, 2, 20, prompt_len, steps=3) > 0
+        assert not engine.has_unfinished_requests() and not engine.requests
+        assert_all_blocks_free(engine)
