@@ -249,6 +249,35 @@ def write_json(path, data, indent=1) -> None:
 
 # ----------------------------------------------------------------------------- a server to measure
 
+def free_port() -> int:
+    """A free TCP port on the loopback interface (free when asked: bind it soon)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_up(process, probe, timeout_s: float, what: str, interval: float = 0.2) -> None:
+    """Call `probe()` until it returns True, a connection error counting as "not yet", for a
+    server started in `process` (a benchmark's, a test's); RuntimeError naming `what` if the
+    process exits first or `timeout_s` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode} before it answered")
+        try:
+            if probe():
+                return
+        except (OSError, httpx.TransportError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer within {timeout_s:g} s")
+        time.sleep(interval)
+
+
 @contextlib.contextmanager
 def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900, cpus: set[int] | None = None):
     """The base URL of the server a client benchmark measures: `base_url` when given, else an
@@ -260,15 +289,12 @@ def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900, c
         yield base_url.rstrip("/")
         return
     import shlex
-    import socket
     import subprocess
     import sys
 
     import httpx
 
-    with socket.socket() as probe:    # a free port on the loopback interface
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "llmlab.cli", "serve", "--port", str(port), "--log-level", "warning",
                *shlex.split(serve_args)]
     if cpus:
@@ -278,18 +304,8 @@ def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900, c
         process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"`{shlex.join(command)}` exited with status {process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"`{shlex.join(command)}` did not answer /health within {timeout_s:g} s")
-            time.sleep(1)
+        wait_until_up(process, lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, timeout_s,
+                      f"`{shlex.join(command)}`", interval=1)
         yield url
     finally:
         process.terminate()

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+from llmlab.bench.common import free_port, wait_until_up
 
 from helpers.browser import (CHROMIUM, CHROMIUM_ARGS, READ_FIGURES, READ_LAYOUT, overlapping_labels,
                              skip_without_chromium)
@@ -68,12 +69,6 @@ class Lab:
     root: Path       # the folder it serves: its notebooks' copies
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def jupyterlab(root: Path, scratch: Path):
     """JupyterLab with default settings (fresh, empty settings and workspace folders under
@@ -97,15 +92,11 @@ def jupyterlab(root: Path, scratch: Path):
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("JupyterLab did not start:\n" + log_path.read_text()[-3000:])
-                time.sleep(0.5)
+        try:
+            wait_until_up(server, lambda: urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2),
+                          90, "JupyterLab", interval=0.5)
+        except RuntimeError as error:
+            pytest.fail(f"{error}:\n" + log_path.read_text()[-3000:])
         yield Lab(url, token, root)
     finally:
         try:   # shuts the kernels down too

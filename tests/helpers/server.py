@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from llmlab.bench.common import free_port, wait_until_up  # noqa: F401  (free_port: the tests' too)
 from llmlab.engine.engine import LLMEngine
 
 from helpers.engine import cpu_engine, tiny_config, tiny_model
@@ -47,12 +47,6 @@ class CharTokenizer:
 def tiny_engine(**config) -> LLMEngine:
     config = {**dict(model="tiny-random", num_gpu_blocks=1024), **config}   # max_model_len: the model's 8,192
     return cpu_engine(tiny_model(seed=0, config=LONG_CONTEXT), CharTokenizer(), **config)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -136,16 +130,10 @@ def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
 def wait_until_healthy(process, url: str, timeout: float, log_path: Path | None = None) -> None:
     """Poll `url`/health until it answers 200; fail if the process exits first (with its log
     when given) or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, log_path.read_text() if log_path else "the server exited early (see its log)"
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    try:
+        wait_until_up(process, lambda: httpx.get(f"{url}/health").status_code == 200, timeout, "the server")
+    except RuntimeError as error:
+        raise AssertionError(f"{error}: " + (log_path.read_text() if log_path else "see its log")) from None
 
 
 def child_pids(pid: int) -> list[int]:
