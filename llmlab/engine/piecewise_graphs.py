@@ -22,6 +22,14 @@ static buffers (input ids, positions, slots, q, attn_out, hidden, residual), sli
 padding tokens store nothing (slot -1) and their rows are never read. The pieces are the
 model's own `layer_head` / `layer_tail` (model/llama.py): the same kernels as an eager step.
 
+What is left (measured on the H200, 2026-12-04, `llmlab bench single-forward --mixed-prompt-lens`):
+such a step still costs 2.3-3.9x a decode step of its batch (batch 16 + a 64-token prompt:
+11-16 ms against 5.0), though its GPU work is ~6 ms. The host sets the pace: per layer a
+graph replay and two attention launches from Python. Launching the attention without
+Triton's launch path, PDL off and one flash-decoding split changed nothing measurable;
+capturing attention inside the graphs as well (one replay per step, as decode steps have)
+is the step still to take, and it sets the server's tail of time between tokens.
+
 Used by ModelRunner.forward for any step of up to `max_tokens` tokens that the decode graphs
 do not take, under the decode graphs' conditions (a GPU, the Triton backend, no
 enforce_eager, no hook points), and not with a plugged-in decoder layer (its pieces are the
