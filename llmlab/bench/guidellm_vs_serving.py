@@ -21,7 +21,9 @@ prefix cache never serves one point from another's.
 
 The table puts the two output tok/s side by side (GuideLLM's `output_tokens_per_second`
 mean, the figure its console table shows; `bench serving`'s output tokens / duration), with
-GuideLLM's errored requests and both TTFT and ITL medians. GuideLLM runs from the clients'
+GuideLLM's errored requests and both TTFT and ITL medians. (GuideLLM's mean is its output
+tokens over its measuring window, `bench serving`'s definition: checked on one run, 47.7 and
+47.7. Its ITL is each request's mean gap, `bench serving`'s the median of all gaps.) GuideLLM runs from the clients'
 venv (--clients-venv, default $LLMLAB_CLIENTS_VENV or .venv-clients), offline, with the
 embedded model's tokenizer folder.
 
@@ -33,7 +35,9 @@ worker processes; --guidellm-workers sets its GUIDELLM__MAX_WORKER_PROCESSES (wi
 On a 2-core host GuideLLM used 0.35-0.48 of a core against `bench serving`'s 0.01, and the
 server it measured ran its steps 1.4-1.7x slower (its ITL) for it. --client-cpus N keeps the
 last N CPUs for the two clients and starts the server on the others, so both measure the
-same server, whatever each costs.
+same server, whatever each costs. With a CPU of its own GuideLLM still measured 0.87-0.89x
+`bench serving`'s tok/s at the throughput points (2-core EPYC, 2026-12-04; the same 32 x 128
+tokens took it 43.4 s against 37.8): why, is not found yet.
 """
 from __future__ import annotations
 
