@@ -13,34 +13,34 @@ names a running server) is measured:
   * sweep: GuideLLM's `sweep` profile (synchronous, throughput, then --sweep-size - 2 Poisson
     rates between the two), then `bench serving` at each point it ran: one request at a time,
     rate inf at --max-concurrency, and each Poisson rate (burstiness 1) at --max-concurrency.
-Both send fixed lengths with ignore_eos: GuideLLM's synthetic prompts of exactly
---prompt-tokens tokens, `bench serving`'s synthetic prompts of as many words (about one token
-each: the table shows both prompt lengths as the server counted them) and every output
-exactly --output-tokens long. Each `bench serving` point gets prompts of its own seed, so the
-prefix cache never serves one point from another's.
+Both send fixed lengths with ignore_eos and no temperature: GuideLLM's synthetic prompts of
+exactly --prompt-tokens tokens, `bench serving`'s synthetic prompts of as many words (about
+one token each: the table shows both prompt lengths as the server counted them), every
+output exactly --output-tokens long. Each `bench serving` point gets prompts of its own seed,
+so the prefix cache never serves one point from another's.
 
 The table puts the two output tok/s side by side (GuideLLM's `output_tokens_per_second`
-mean, the figure its console table shows; `bench serving`'s output tokens / duration), with
-GuideLLM's errored requests and both TTFT and ITL medians. (GuideLLM's mean is its output
-tokens over its measuring window, `bench serving`'s definition: checked on one run, 47.7 and
-47.7. Its ITL is each request's mean gap, `bench serving`'s the median of all gaps.) GuideLLM runs from the clients'
-venv (--clients-venv, default $LLMLAB_CLIENTS_VENV or .venv-clients), offline, with the
-embedded model's tokenizer folder.
+mean, the figure its console table shows, is its output tokens over its measuring window, as
+`bench serving`'s is), with GuideLLM's errored requests and both TTFT and ITL medians (its ITL
+is each request's mean gap, `bench serving`'s the median of all gaps), and each client's CPU
+seconds per second of its run (GuideLLM's from its process tree, start-up included). GuideLLM
+runs from the clients' venv (--clients-venv, default $LLMLAB_CLIENTS_VENV or .venv-clients),
+offline, with the embedded model's tokenizer folder.
 
-On a machine of few cores the clients share the cores with the server they measure: each
-row gives both clients' CPU seconds per second of their run (GuideLLM's from its process
-tree, start-up included, the same for every point of one run). GuideLLM starts up to 10
-worker processes; --guidellm-workers sets its GUIDELLM__MAX_WORKER_PROCESSES (with 1 on a
-2-core host, its synchronous point waited for its own data: "conversations were loaded late").
-On a 2-core host GuideLLM used 0.35-0.48 of a core against `bench serving`'s 0.01, and the
-server it measured ran its steps 1.4-1.7x slower (its ITL) for it. --client-cpus N keeps the
-last N CPUs for the two clients and starts the server on the others, so both measure the
-same server, whatever each costs. With a CPU of its own GuideLLM still measured 0.87-0.89x
-`bench serving`'s tok/s at the throughput points (2-core EPYC, 2026-12-04; the same 32 x 128
-tokens took it 43.4 s against 37.8): why, is not found yet.
+What made the two disagree on a 2-core CPU (2026-12-04, GuideLLM 0.65-0.80x at the
+throughput points), each now handled here:
+  * the request: GuideLLM sends no temperature, so the server samples (its default, 1.0);
+    `bench serving` asked for greedy, which cost the CPU server 12% less. Here it sends none.
+  * the order: the CPU server got 15-20% faster over its first runs, and GuideLLM ran first.
+    An untimed `bench serving` pass comes first (--no-warmup: none).
+  * the cores: GuideLLM's processes used 0.35-0.48 of a core (`bench serving` 0.01), taken
+    from the server. --client-cpus N runs both clients on the last N CPUs and the server
+    started here on the others; --guidellm-workers sets GuideLLM's worker processes
+    (GUIDELLM__MAX_WORKER_PROCESSES; with 1 on 2 cores it could not feed its synchronous point).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -74,6 +74,8 @@ def add_arguments(parser) -> None:
                         help="GuideLLM's worker processes (default: its own, up to 10)")
     parser.add_argument("--client-cpus", type=int, default=0,
                         help="the clients run on the last N CPUs, the server started here on the others (0: all share)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="first an untimed bench serving pass at the throughput point (default: on)")
     parser.add_argument("--out", default=None, help="write every point of both clients as JSON")
 
 
@@ -138,8 +140,9 @@ def serving_point(args, url: str, model: str, point: dict, num_requests: int, se
     words = max(args.prompt_tokens - 1, 1)
     prompts = serving.synthetic_prompts(num_requests, seed, words, args.output_tokens, sigma=0.0,
                                         max_input_len=words, max_output_len=args.output_tokens)
+    # no temperature, as GuideLLM sends its requests: the server's default (1.0), sampled
     report = serving.run(url, [point["rate"]], prompts, model, seed=seed, progress=False,
-                         max_concurrency=point["max_concurrency"])
+                         max_concurrency=point["max_concurrency"], temperature=None)
     result = report["results"][0]
     return {"output_tok_s": result["output_throughput"], "completed": result["completed"],
             "failed": result["failed"], "ttft_p50_ms": result["ttft_ms"].get("median") if result["ttft_ms"] else None,
@@ -189,6 +192,9 @@ def main(args) -> dict:
             runs.append(("sweep", f"kind=sweep,sweep_size={args.sweep_size},strategy_type=poisson,"
                                   f"max_concurrency={args.max_concurrency}",
                          args.sweep_requests))
+        if args.warmup:   # untimed: neither client may meet a cold server
+            serving_point(args, url, model, {"rate": math.inf, "max_concurrency": args.max_concurrency},
+                          args.num_requests, args.seed + 10_000)
         for run, profile, num_requests in runs:
             benchmarks, cpu_share = guidellm(args, url, model, tokenizer, profile, num_requests)
             for benchmark in benchmarks:

@@ -89,13 +89,16 @@ def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
 
 
 # ---- the client ----------------------------------------------------------------------------
-async def send(session, url: str, model: str, prompt: Prompt, arrival: float, sent: float) -> RequestResult:
+async def send(session, url: str, model: str, prompt: Prompt, arrival: float, sent: float,
+               temperature: float | None = 0.0) -> RequestResult:
     """Stream one completion from `url` (the server's /v1/completions), timing every chunk
-    from `sent` (perf_counter when it was sent). `session`: an aiohttp ClientSession."""
+    from `sent` (perf_counter when it was sent). `session`: an aiohttp ClientSession.
+    `temperature`: greedy by default; None sends none (the server's default, 1.0)."""
     result = RequestResult(arrival=arrival, output_len=prompt.output_len)
     payload = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len,
-               "temperature": 0.0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}}
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:
+        payload["temperature"] = temperature
     last, texts = None, []
     try:
         async with session.post(url, json=payload) as response:
@@ -131,7 +134,7 @@ async def send(session, url: str, model: str, prompt: Prompt, arrival: float, se
 async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float, seed: int = 0,
                    api_key: str | None = None, progress: bool = True, burstiness: float = 1.0,
                    max_concurrency: int | None = None, slo_ms: dict | None = None,
-                   percentiles=(50, 90, 99)) -> dict:
+                   percentiles=(50, 90, 99), temperature: float | None = 0.0) -> dict:
     """All prompts at one arrival rate; returns the summary and every request's timings."""
     import asyncio
 
@@ -163,7 +166,7 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
             in_flight["now"] += 1
             in_flight["peak"] = max(in_flight["peak"], in_flight["now"])
             try:
-                result = await send(client, url, model, prompt, arrival, sent)
+                result = await send(client, url, model, prompt, arrival, sent, temperature)
             finally:
                 in_flight["now"] -= 1
                 if slots is not None:
@@ -188,9 +191,11 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
 
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
         api_key: str | None = None, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
-        max_concurrency: int | None = None, slo_ms: dict | None = None, percentiles=(50, 90, 99)) -> dict:
+        max_concurrency: int | None = None, slo_ms: dict | None = None, percentiles=(50, 90, 99),
+        temperature: float | None = 0.0) -> dict:
     """A sweep over `rates` (one warm-up request first); returns the plot-ready results.
-    Works from a script and from a notebook cell alike."""
+    Works from a script and from a notebook cell alike. Requests are greedy unless
+    `temperature` says otherwise (None: sent without one, as GuideLLM sends them)."""
     import httpx
 
     if max_concurrency is not None and max_concurrency < 1:
@@ -203,7 +208,7 @@ def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | N
         warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
         warm_up.raise_for_status()
     results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress,
-                                       burstiness, max_concurrency, slo_ms, percentiles))
+                                       burstiness, max_concurrency, slo_ms, percentiles, temperature))
                for i, rate in enumerate(rates)]
     return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
             "burstiness": burstiness, "max_concurrency": max_concurrency, "slo_ms": slo_ms,
