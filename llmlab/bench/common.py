@@ -278,6 +278,20 @@ def wait_until_up(process, probe, timeout_s: float, what: str, interval: float =
         time.sleep(interval)
 
 
+def stop(process, timeout_s: float = 60) -> None:
+    """Stop a started server: SIGTERM (unless it has exited), SIGKILL if it is still there after
+    `timeout_s` seconds."""
+    import subprocess
+
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @contextlib.contextmanager
 def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900, cpus: set[int] | None = None):
     """The base URL of the server a client benchmark measures: `base_url` when given, else an
@@ -308,9 +322,4 @@ def served(base_url: str | None, serve_args: str = "", timeout_s: float = 900, c
                       f"`{shlex.join(command)}`", interval=1)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)

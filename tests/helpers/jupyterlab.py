@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from llmlab.bench.common import free_port, wait_until_up
+from llmlab.bench.common import free_port, stop, wait_until_up
 
 from helpers.browser import (CHROMIUM, CHROMIUM_ARGS, READ_FIGURES, READ_LAYOUT, overlapping_labels,
                              skip_without_chromium)
@@ -104,11 +104,7 @@ def jupyterlab(root: Path, scratch: Path):
                                    timeout=10)
             server.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
-            server.terminate()
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server, 15)
         log.close()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from llmlab.bench.common import free_port, wait_until_up  # noqa: F401  (free_port: the tests' too)
+from llmlab.bench.common import free_port, stop, wait_until_up  # noqa: F401  (free_port: the tests' too)
 from llmlab.engine.engine import LLMEngine
 
 from helpers.engine import cpu_engine, tiny_config, tiny_model
@@ -118,13 +118,7 @@ def serve_subprocess(flags: list[str], log, env=None, timeout: float = 180):
         wait_until_healthy(process, url, timeout)
         yield process, url
     finally:
-        if process.poll() is None:
-            process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, 30)
 
 
 def wait_until_healthy(process, url: str, timeout: float, log_path: Path | None = None) -> None:
