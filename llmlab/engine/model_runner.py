@@ -29,7 +29,7 @@ from llmlab.engine import batch as batches
 from llmlab.engine.cuda_graphs import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
-from llmlab.engine.piecewise_graphs import TOKEN_SIZES, PiecewiseGraphs
+from llmlab.engine.prompt_graphs import TOKEN_SIZES, PromptGraphs
 from llmlab import kernels
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.loader import load_model
@@ -100,7 +100,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.buffers = InputBuffers(self.device, self.max_blocks_per_seq)   # every step's inputs
         self.graphs = None   # decode-step CUDA graphs, once the warm-up made them (make_decode_graphs)
-        self.piecewise = None   # prefill and mixed steps' graphs, in pieces (make_piecewise_graphs)
+        self.prompt_graphs = None   # graphs of steps that hold a prompt (make_prompt_graphs)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -143,16 +143,17 @@ class ModelRunner:
                                                  self.max_blocks_per_seq, self.backend))
         return self.graphs
 
-    def make_piecewise_graphs(self):
+    def make_prompt_graphs(self):
         """The graphs that `forward` replays from now on for steps that hold a prompt, of up to
-        512 tokens: every layer but its attention, captured per padded token count
-        (piecewise_graphs.py). Called once, by the warm-up; not with tensor parallelism, a
-        plugged-in decoder layer or the knob off (kernels.knobs.piecewise_graphs): None then."""
+        512 tokens: the whole step, captured per padded token count (prompt_graphs.py).
+        Called once, by the warm-up; not with tensor parallelism, a plugged-in decoder layer
+        or the knob off (kernels.knobs.prompt_graphs): None then."""
         max_tokens = sizing.token_budget(self.config)
-        if (kernels.knobs.piecewise_graphs and self.executor is None and self.model.plugged_layers is None
+        if (kernels.knobs.prompt_graphs and self.executor is None and self.model.plugged_layers is None
                 and max_tokens >= TOKEN_SIZES[0]):
-            self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, max_tokens, self.backend)
-        return self.piecewise
+            self.prompt_graphs = PromptGraphs(self.model, self.kv_cache, max_tokens, self.max_blocks_per_seq,
+                                              self.backend)
+        return self.prompt_graphs
 
     # ---- every step ----------------------------------------------------------------------
     def swap(self, swap_out_copies: list[tuple[int, int]], swap_in_copies: list[tuple[int, int]]) -> None:
@@ -188,12 +189,13 @@ class ModelRunner:
     def forward(self, input_ids, positions, batch: ForwardBatch, eager: bool = False) -> torch.Tensor:
         """Logits [sampling items, vocab]: when graphs were captured (and neither hook points nor
         `eager` ask to see every kernel), a decode graph's replay for a pure-decode batch, the
-        piecewise graphs' for any other step they hold; the eager forward otherwise."""
+        prompt graphs' for any other step they hold; the eager forward otherwise."""
         if self.graphs is not None and not eager and self.model.taps is None:
             if batch.num_prefill_tokens == 0 and self.graphs.can_run(batch.logits_indices.shape[0]):
                 return self.graphs.run(input_ids, positions, batch)
-            if self.piecewise is not None and self.piecewise.can_run(input_ids.shape[0]):
-                return self.piecewise.run(input_ids, positions, batch)
+            if (self.prompt_graphs is not None
+                    and self.prompt_graphs.can_run(input_ids.shape[0], batch.prefill_seq_lens.shape[0])):
+                return self.prompt_graphs.run(input_ids, positions, batch)
         return self.model.forward(input_ids, positions, batch, self.kv_cache.device, self.kv_cache.device_scales)
 
     def execute(self, plan: Plan) -> torch.Tensor:

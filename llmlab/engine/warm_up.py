@@ -9,8 +9,8 @@ kernels, or Triton's interpreter), in this order:
   1. decode CUDA graphs  runner.make_decode_graphs captures one per size of the batch-size
                          ladder with one split (cuda_graphs.py; every rank's with tensor
                          parallelism), then every other (size, splits) key `graph_keys` lists;
-                         then the piecewise graphs of steps that hold a prompt, every layer
-                         but its attention per padded token count (piecewise_graphs.py);
+                         then the graphs of steps that hold a prompt, one per padded
+                         token count (prompt_graphs.py);
                          not with enforce_eager, nor with pipeline parallelism (eager steps)
   2. kernel variants     `compile_kernels`: the `warm_up_plans` batches through the runner
   3. sampler graphs      Sampler.warm_up: every row count up to max_num_seqs, with and
@@ -55,7 +55,7 @@ def warm_up(runner, sampler, config: EngineConfig) -> None:
         graphs = runner.make_decode_graphs()   # captures the ladder, one split each
         # every split count a long context can ask for, now rather than mid-run
         graphs.capture(graph_keys(graphs.sizes, config.max_num_seqs, runner.max_model_len, runner.num_splits))
-        runner.make_piecewise_graphs()   # steps that hold a prompt: every layer but attention
+        runner.make_prompt_graphs()   # steps that hold a prompt, per padded token count
     compile_kernels(runner)   # on every rank with tensor parallelism
     # the logits' dtype, not the weights': a graph captured for bf16 logits is never replayed
     sampler.warm_up(runner.model_config.vocab_size, runner.device, LOGITS_DTYPE, config.max_num_seqs)

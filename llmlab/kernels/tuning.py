@@ -23,7 +23,7 @@ may set a field directly:
 | sample_programs | LLMLAB_SAMPLE_PROGRAMS | 512   | programs per batch the sampler aims for (chunks per row = this / rows) |
 | sample_rounds   | LLMLAB_SAMPLE_ROUNDS | 3       | rejection checks before the sampler's radix fallback |
 | sample_top_k_cap | LLMLAB_SAMPLE_TOP_K_CAP | 1024 | largest top_k the sampler's candidates path takes (0: every top-k row to the radix passes) |
-| piecewise_graphs | LLMLAB_PIECEWISE_GRAPHS | on   | GPU steps that hold a prompt (up to 512 tokens) replay every layer but attention as CUDA graphs (engine/piecewise_graphs.py) |
+| prompt_graphs   | LLMLAB_PROMPT_GRAPHS | on      | GPU steps that hold a prompt (up to 512 tokens) replay as CUDA graphs, attention included (engine/prompt_graphs.py) |
 
 Knobs that the engine decides per run (CUDA graphs, async scheduling, the KV cache's
 dtype, ...) are `EngineConfig` fields instead.
@@ -40,7 +40,7 @@ ENVIRONMENT = {   # field -> the variable that sets it
     "sample_graphs": "LLMLAB_SAMPLE_GRAPHS", "sample_block": "LLMLAB_SAMPLE_BLOCK",
     "sample_warps": "LLMLAB_SAMPLE_WARPS", "sample_programs": "LLMLAB_SAMPLE_PROGRAMS",
     "sample_rounds": "LLMLAB_SAMPLE_ROUNDS", "sample_top_k_cap": "LLMLAB_SAMPLE_TOP_K_CAP",
-    "piecewise_graphs": "LLMLAB_PIECEWISE_GRAPHS",
+    "prompt_graphs": "LLMLAB_PROMPT_GRAPHS",
 }
 
 
@@ -58,7 +58,7 @@ class Knobs:
     sample_programs: int = 512
     sample_rounds: int = 3
     sample_top_k_cap: int = 1024
-    piecewise_graphs: bool = True
+    prompt_graphs: bool = True
 
     @classmethod
     def from_environment(cls, environ=os.environ) -> "Knobs":

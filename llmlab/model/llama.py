@@ -50,6 +50,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor         # [S] row of the last token of each sequence that samples
     num_splits: int = 1                  # flash-decoding splits (1 = PagedAttention v1)
     backend: str | None = None           # kernels: "reference" | "torch" | "triton"; None = llmlab.kernels' default
+    # a prompt graph's batch (engine/prompt_graphs.py): [T] bool, the rows that take decode
+    # attention; both attentions then run over all T rows, the decode one's tables and seq_lens
+    # [T] (1 on the other rows), the prefill one's padded with sequences of no tokens
+    decode_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -192,18 +196,25 @@ class LlamaModel:
 
     def attend_stored(self, q, batch: ForwardBatch, k_cache, v_cache, k_scales=None, v_scales=None):
         """Attention of rotated queries [T, H, D] whose keys and values are in the cache: the
-        prefill chunks' first, then the decoding tokens'. [T, H D]."""
+        prefill chunks' first, then the decoding tokens' (a prompt graph's batch: both over
+        every row, each row taking the one `decode_rows` says). [T, H D]."""
         num_tokens, p, b = q.shape[0], batch.num_prefill_tokens, batch.backend
-        parts = []
-        if p > 0:
-            parts.append(kernels.prefill_attention(
-                q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_cu_seqlens_q,
-                batch.prefill_seq_lens, self.scale, k_scales, v_scales, backend=b))
-        if num_tokens > p:
-            parts.append(kernels.decode_attention(
-                q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
-                self.scale, batch.num_splits, k_scales, v_scales, backend=b))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        def prefill(rows):
+            return kernels.prefill_attention(rows, k_cache, v_cache, batch.prefill_block_tables,
+                                             batch.prefill_cu_seqlens_q, batch.prefill_seq_lens, self.scale,
+                                             k_scales, v_scales, backend=b)
+
+        def decode(rows):
+            return kernels.decode_attention(rows, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
+                                            self.scale, batch.num_splits, k_scales, v_scales, backend=b)
+
+        if batch.decode_rows is not None:
+            out = torch.where(batch.decode_rows[:, None, None], decode(q), prefill(q))
+        elif p == num_tokens or p == 0:
+            out = prefill(q) if p else decode(q)
+        else:
+            out = torch.cat([prefill(q[:p]), decode(q[p:])])
         return out.reshape(num_tokens, self.config.num_heads * self.config.head_dim)
 
     def input_norm(self, layer: LayerWeights, hidden, residual, backend=None):
@@ -212,22 +223,6 @@ class LlamaModel:
         if residual is None:
             return kernels.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, backend=backend), hidden
         return kernels.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual, backend=backend)
-
-    # ---- a layer in two pieces: around its attention (engine/piecewise_graphs.py captures them)
-    def layer_head(self, i, hidden, residual, positions, slot_mapping, k_cache, v_cache, k_scales=None,
-                   v_scales=None, backend=None):
-        """Layer i up to its attention: input norm, qkv, rope + store_kv. (q [T, H, D], residual)."""
-        layer = self.layers[i]
-        x, residual = self.input_norm(layer, hidden, residual, backend)
-        q, k, v = self.heads(kernels.linear(x, layer.qkv, layer.qkv_bias, backend=backend))
-        return self.store(q, k, v, positions, slot_mapping, k_cache, v_cache, k_scales, v_scales, backend), residual
-
-    def layer_tail(self, i, attn_out, residual, backend=None):
-        """Layer i after its attention [T, H D]: o_proj, post-attention norm, MLP. (hidden, residual)."""
-        layer = self.layers[i]
-        hidden = kernels.linear(attn_out, layer.o_proj, backend=backend)
-        x, residual = kernels.rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps, residual, backend=backend)
-        return self.mlp(layer, x, backend), residual
 
     # ---- hook points ---------------------------------------------------------------
     @contextlib.contextmanager

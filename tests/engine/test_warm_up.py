@@ -1,6 +1,6 @@
 """warm_up.warm_up, the one place everything is compiled or captured at start-up: on a GPU
 with the Triton backend it captures the decode graphs (the ladder, then every graph_keys
-key) and the piecewise graphs, then runs the kernel-variant batches, then warms the sampler, in that order; on a
+key) and the prompt graphs, then runs the kernel-variant batches, then warms the sampler, in that order; on a
 CPU it does nothing. A recording stand-in for the runner and sampler shows the order
 without a GPU (tests/test_gpu.py and test_overlap.py check the real thing on one)."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def stand_ins(device: str, backend: str, calls: list):
         device=torch.device(device), backend=backend, config=config, block_size=4, max_model_len=64,
         model_config=SimpleNamespace(vocab_size=32), num_splits=one_split,
         kv_cache=SimpleNamespace(device=torch.zeros(1, 2, 64)),   # [layers, k/v, num_blocks]: 64 blocks
-        make_decode_graphs=make_decode_graphs, make_piecewise_graphs=lambda: calls.append(("piecewise",)),
+        make_decode_graphs=make_decode_graphs, make_prompt_graphs=lambda: calls.append(("prompt",)),
         execute=lambda plan: calls.append(("execute",)))
     sampler = SimpleNamespace(warm_up=lambda *args: calls.append(("sampler", *args)))
     return runner, sampler, config
@@ -43,7 +43,7 @@ def test_a_gpu_engine_captures_graphs_then_compiles_kernels_then_warms_the_sampl
     warm_up(runner, sampler, config)
     assert calls[0] == ("ladder",)
     assert calls[1] == ("capture", graph_keys([1, 2, 4, 8], 8, 64, one_split))
-    assert calls[2] == ("piecewise",)
+    assert calls[2] == ("prompt",)
     assert calls[3:-1] and all(c == ("execute",) for c in calls[3:-1])   # the kernel-variant batches
     assert calls[-1] == ("sampler", 32, torch.device("cuda"), LOGITS_DTYPE, 8)
 

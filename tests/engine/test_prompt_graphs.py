@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs of steps that hold a prompt (engine/piecewise_graphs.py), on a GPU:
+"""CUDA graphs of steps that hold a prompt (engine/prompt_graphs.py), on a GPU:
 the same logits as the eager forward for prefill-only and mixed steps of every padded size
 (token counts that are not multiples of 16, one token, the largest size), over float32,
 bf16 and int8 caches; an engine that replays them gives eager's greedy tokens for requests
@@ -9,7 +9,7 @@ import torch
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig
 from llmlab.engine.batch import dummy_plan
-from llmlab.engine.piecewise_graphs import TOKEN_SIZES
+from llmlab.engine.prompt_graphs import MAX_PROMPTS, TOKEN_SIZES
 from llmlab.model.llama import LlamaModel
 
 from helpers.engine import SMALL_LLAMA3
@@ -27,7 +27,8 @@ def engine_of(dtype="float32", enforce_eager=False, **kwargs) -> LLMEngine:
 # (prefill (chunk, context) pairs, decode contexts): prefill-only, mixed, a chunk after a
 # cached prefix, token counts of 1, 16, 17, 100, 300 and 512 (the largest graph)
 PLANS = [([(1, 1)], []), ([(16, 16)], []), ([(17, 17)], []), ([(7, 30), (60, 60)], [5, 90, 33]),
-         ([(100, 100)], [40] * 15), ([(287, 287)], [2, 700, 64] * 4 + [1]), ([(500, 900)], [3] * 12)]
+         ([(100, 100)], [40] * 15), ([(287, 287)], [2, 700, 64] * 4 + [1]), ([(500, 900)], [3] * 12),
+         ([(20, 20)], [3000])]   # one long decode: flash-decoding splits, a graph captured on first use
 
 
 # float32: the same logits (the check that sees a wrong row, slot or layer); bf16: a graph's
@@ -37,12 +38,14 @@ PLANS = [([(1, 1)], []), ([(16, 16)], []), ([(17, 17)], []), ([(7, 30), (60, 60)
 @pytest.mark.parametrize("dtype,kv_cache_dtype,tol,mean_tol", [("float32", "auto", 1e-4, 1e-5),
                                                                 ("bfloat16", "auto", 0.15, 1.5e-2),
                                                                 ("bfloat16", "int8", 0.15, 1.5e-2)])
-def test_piecewise_graphs_give_the_eager_logits(dtype, kv_cache_dtype, tol, mean_tol):
+def test_prompt_graphs_give_the_eager_logits(dtype, kv_cache_dtype, tol, mean_tol):
     engine = engine_of(dtype, kv_cache_dtype=kv_cache_dtype)
     runner = engine.runner
-    assert runner.piecewise is not None and runner.piecewise.sizes[-1] == 512
+    assert runner.prompt_graphs is not None and runner.prompt_graphs.sizes[-1] == 512
     for prefills, decodes in PLANS:
         plan = dummy_plan(runner.block_size, prefills, decodes)
+        if decodes == [3000]:
+            assert runner.prepare(plan)[2].num_splits > 1
         graphed = runner.forward(*runner.prepare(plan)).float()
         # the graphs wrote the step's K/V (the eager step writes the same values to the same slots)
         eager = runner.forward(*runner.prepare(plan), eager=True).float()
@@ -55,9 +58,10 @@ def test_steps_past_the_largest_graph_and_with_hook_points_run_eagerly():
     engine = engine_of()
     runner = engine.runner
     replays = []
-    run = runner.piecewise.run
-    runner.piecewise.run = lambda *args: replays.append(1) or run(*args)
+    run = runner.prompt_graphs.run
+    runner.prompt_graphs.run = lambda *args: replays.append(1) or run(*args)
     runner.execute(dummy_plan(runner.block_size, [(513, 513)]))    # past 512 tokens
+    runner.execute(dummy_plan(runner.block_size, [(2, 2)] * (MAX_PROMPTS + 1)))   # past the prompts a graph holds
     with runner.model.capture():
         runner.execute(dummy_plan(runner.block_size, [(20, 20)], [4]))
     assert replays == []
@@ -92,4 +96,4 @@ def test_sizes_follow_the_token_budget():
                          max_num_batched_tokens=100)
     model = LlamaModel.random(ModelConfig.from_hf(SMALL_LLAMA3), torch.float32, "cuda", seed=1)
     runner = LLMEngine(small, model=model).runner
-    assert runner.piecewise.sizes == [s for s in TOKEN_SIZES if s <= 100]
+    assert runner.prompt_graphs.sizes == [s for s in TOKEN_SIZES if s <= 100]
