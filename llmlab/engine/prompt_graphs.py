@@ -8,8 +8,7 @@ against a 5.2 ms median). Graphs of every layer but its attention (vLLM's piecew
 still left a step at 2.3-3.9x a decode step: per layer a replay and the attention's
 launches from Python.
 
-So the whole step is one graph per padded token count (`TOKEN_SIZES`) and flash-decoding
-split count, attention included. What makes attention capturable is that both attention
+So the whole step is one graph per padded token count (`TOKEN_SIZES`), attention included. What makes attention capturable is that both attention
 kernels run over every row of the graph, whatever the step's mix, and each row keeps the
 result that is its own (`ForwardBatch.decode_rows`). For a step of n tokens, p of them in
 prefill chunks, in a graph of `size`, the static buffers hold
@@ -19,7 +18,9 @@ prefill chunks, in a graph of `size`, the static buffers hold
               once): the prefill kernel finds each program's sequence on the GPU
     decode    per row: the decoding sequence's seq_len and block table at rows p .. p + D,
               a seq_len of 1 elsewhere (one cached token attended to, the result dropped),
-              as the decode graphs' padding rows
+              as the decode graphs' padding rows; one flash-decoding split (the split count
+              the step's few decodes would take, over every row of the graph, cost a step of
+              16 decodes and a 496-token prompt 3 ms on the H200)
     slot_mapping   the step's slots; padding tokens n .. size store nothing (-1)
 
 and the graph runs the model's own `decoder_layers` over them. The final norm and the
@@ -66,14 +67,14 @@ class PromptInputs:
         self.decode_block_tables = torch.zeros(max_tokens, max_blocks_per_seq, **ints)
         self.decode_rows = torch.zeros(max_tokens, device=device, dtype=torch.bool)
 
-    def batch(self, size: int, num_splits: int = 1, backend: str | None = None) -> ForwardBatch:
+    def batch(self, size: int, backend: str | None = None) -> ForwardBatch:
         """The ForwardBatch of a graph of `size` tokens over these buffers."""
         return ForwardBatch(
             num_prefill_tokens=size, slot_mapping=self.slot_mapping[:size],
             prefill_cu_seqlens_q=self.cu_seqlens_q, prefill_seq_lens=self.prefill_seq_lens,
             prefill_block_tables=self.prefill_block_tables, decode_seq_lens=self.decode_seq_lens[:size],
             decode_block_tables=self.decode_block_tables[:size], logits_indices=self.input_ids[:0],
-            num_splits=num_splits, backend=backend, decode_rows=self.decode_rows[:size])
+            backend=backend, decode_rows=self.decode_rows[:size])
 
     def clear(self) -> None:
         """No sequences, no slots: a run over the buffers stores nothing and reads one token a row."""
@@ -107,45 +108,40 @@ class PromptGraphs:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.sizes = [size for size in TOKEN_SIZES if size <= max_tokens]
         self.inputs = PromptInputs(self.sizes[-1], max_blocks_per_seq, kv_cache.device.device)
-        # keyed by (size, flash-decoding splits); the outputs (hidden, residual) and the batch a
-        # graph reads are kept as long as the graph
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.batches: dict[tuple[int, int], ForwardBatch] = {}
+        # the outputs (hidden, residual) and the batch a graph reads live as long as the graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.batches: dict[int, ForwardBatch] = {}
         self.pool = None
         for size in reversed(self.sizes):   # largest first, so smaller graphs reuse its memory
-            self._capture(size, 1)
+            self._capture(size)
 
     def can_run(self, num_tokens: int, num_prompts: int) -> bool:
         return 0 < num_tokens <= self.sizes[-1] and num_prompts <= MAX_PROMPTS
 
-    def _forward(self, key):
-        model, kv_cache, inputs, size = self.model, self.kv_cache, self.inputs, key[0]
+    def _forward(self, size: int):
+        model, kv_cache, inputs = self.model, self.kv_cache, self.inputs
         hidden = model.embedding(inputs.input_ids[:size])
-        return model.decoder_layers(hidden, None, inputs.positions[:size], self.batches[key], kv_cache.device,
+        return model.decoder_layers(hidden, None, inputs.positions[:size], self.batches[size], kv_cache.device,
                                     kv_cache.device_scales)
 
-    def _capture(self, size: int, num_splits: int) -> None:
-        key = (size, num_splits)
+    def _capture(self, size: int) -> None:
         self.inputs.clear()   # the warm-up run below really executes
-        self.batches[key] = self.inputs.batch(size, num_splits, self.backend)
-        self._forward(key)   # compiles what the step launches, outside the capture
+        self.batches[size] = self.inputs.batch(size, self.backend)
+        self._forward(size)   # compiles what the step launches, outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[key] = self._forward(key)
+            self.outputs[size] = self._forward(size)
         self.pool = graph.pool()
-        self.graphs[key] = graph
+        self.graphs[size] = graph
 
     @torch.inference_mode()
     def run(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
-        """The step's logits [sampling rows, vocab], as model.forward gives them. A split
-        count met for the first time (long contexts beside a prompt) is captured now."""
+        """The step's logits [sampling rows, vocab], as model.forward gives them."""
         n = input_ids.shape[0]
-        key = (padded_token_count(n, self.sizes), batch.num_splits)
-        if key not in self.graphs:
-            self._capture(*key)
-        self.inputs.stage(input_ids, positions, batch, key[0])
-        self.graphs[key].replay()
-        hidden, residual = self.outputs[key]
+        size = padded_token_count(n, self.sizes)
+        self.inputs.stage(input_ids, positions, batch, size)
+        self.graphs[size].replay()
+        hidden, residual = self.outputs[size]
         return self.model.final_logits(hidden[:n], residual[:n], batch)

@@ -28,7 +28,7 @@ def engine_of(dtype="float32", enforce_eager=False, **kwargs) -> LLMEngine:
 # cached prefix, token counts of 1, 16, 17, 100, 300 and 512 (the largest graph)
 PLANS = [([(1, 1)], []), ([(16, 16)], []), ([(17, 17)], []), ([(7, 30), (60, 60)], [5, 90, 33]),
          ([(100, 100)], [40] * 15), ([(287, 287)], [2, 700, 64] * 4 + [1]), ([(500, 900)], [3] * 12),
-         ([(20, 20)], [3000])]   # one long decode: flash-decoding splits, a graph captured on first use
+         ([(20, 20)], [3000])]   # one long decode: flash-decoding splits eagerly, one split in the graph
 
 
 # float32: the same logits (the check that sees a wrong row, slot or layer); bf16: a graph's
