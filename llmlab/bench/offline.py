@@ -11,7 +11,11 @@ a time, then overlapped (EngineConfig.async_scheduling), on the same engine.
 `--dataset serving-synthetic` runs `llmlab bench serving`'s prompts instead (bench/prompts.py):
 those of `bench serving --seed S --num-prompts N` (its first rate's) for `--workload-seed S
 --num-requests N`, with the same length flags, tokenized as the server tokenizes them: the
-same token ids and output lengths, so the two commands give the server / offline ratio."""
+same token ids and output lengths, so the two commands give the server / offline ratio.
+
+On an H200 (or with --roofline TB_S,TFLOP_S) it also prints the bound: the same requests
+simulated through the engine's scheduler with every step at max(bytes / bandwidth, FLOPs /
+peak) (experiments/roofline.py), and each run's share of it."""
 from __future__ import annotations
 
 import time
@@ -65,6 +69,10 @@ def add_arguments(parser) -> None:
                              "(light). A first pass is slower on both devices: on a GPU it compiles "
                              "kernel variants and captures CUDA graphs for new flash-decoding splits; "
                              "on a CPU it ran 4x slower than the next (16 prompts, embedded model)")
+    parser.add_argument("--roofline", default=None, metavar="TB_S,TFLOP_S",
+                        help="the per-step bound to compare with: the same requests simulated through the engine's "
+                             "scheduler, each step at max(bytes / TB_S, FLOPs / TFLOP_S) (experiments/roofline.py); "
+                             "default on an H200 its measured 4.27,790, elsewhere none")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     # engine flags from EngineConfig (a bigger batch than the engine's default); --seed above is the sampler's
     add_engine_arguments(parser, defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
@@ -146,6 +154,28 @@ def warm_up(llm, workload, setting: dict, full: bool) -> None:
         llm.generate([workload.requests[0].prompt_token_ids[:16]], SamplingParams(max_tokens=4, **setting))
 
 
+def roofline_of(args, engine):
+    """The Roofline --roofline asks for (on an H200 by default), or None."""
+    from llmlab.experiments.roofline import Roofline
+
+    if args.roofline is not None:
+        tb_s, tflop_s = (float(x) for x in args.roofline.split(","))
+        return Roofline.of_engine(engine, tb_s, tflop_s)
+    if engine.device.type == "cuda" and "H200" in machine_name(engine.device):
+        return Roofline.of_engine(engine)
+    return None
+
+
+def bound(engine, workload, roofline) -> float:
+    """Output tokens/s of `workload` simulated through this engine's scheduler at `roofline`."""
+    import dataclasses
+
+    from llmlab.experiments import simulate
+
+    config = dataclasses.replace(engine.config, num_gpu_blocks=engine.runner.num_device_blocks)
+    return simulate(workload, config, roofline).summary()["output_tok_s"]
+
+
 def run_llmlab(llm, workload, setting: dict) -> dict:
     from llmlab import SamplingParams
 
@@ -216,7 +246,7 @@ def main(args) -> list[dict]:
 
     settings = sampling_settings(args)
     caching = [False, True] if args.compare_prefix_caching else [None]   # None: the flags' choice
-    results, vocab, meta = [], None, None
+    results, vocab, meta, limit = [], None, None, None
     for enable in caching:
         llm = build_llm(args, **({} if enable is None else {"enable_prefix_caching": enable}))
         engine = llm.engine
@@ -224,6 +254,9 @@ def main(args) -> list[dict]:
         vocab = engine.model_config.vocab_size
         workload = serving_workload(args, engine) if args.dataset == "serving-synthetic" else build_workload(args, vocab)
         warm_up(llm, workload, settings[0], full=args.warmup == "full")
+        roofline = roofline_of(args, engine)
+        if roofline is not None and limit is None:
+            limit = (bound(engine, workload, roofline), roofline.meta["roofline"])
         overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
             for overlap in overlaps:
@@ -251,5 +284,13 @@ def main(args) -> list[dict]:
               f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / first:.3f} |")
     if args.hf:
         print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[-1]['output_tokens_per_s']:.2f}x")
+    if limit is not None:
+        tok_s, peaks = limit
+        for r in results:
+            if r["impl"] == "llmlab":
+                r["of_bound"] = r["output_tokens_per_s"] / tok_s
+        print(f"bound: {tok_s:.1f} output tok/s (these requests through the engine's scheduler, each step at max(bytes "
+              f"/ {peaks['tb_s']:g} TB/s, FLOPs / {peaks['tflop_s']:g} TFLOP/s)); the first row at "
+              f"{first / tok_s:.1%} of it")
     write_json(args.out, results, indent=2)
     return results

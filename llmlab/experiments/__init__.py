@@ -15,7 +15,8 @@ same Scheduler on a simulated clock, cost_model.py predicts step times (one of i
 reads dense_profile.py's table of matrix-product times by rows), result.py holds
 per-request metrics and summaries, figures.py draws them (plotly is imported only there);
 repeats.py repeats an experiment (means, t intervals), fitted_range.py says where a cost
-model extrapolates, max_rate.py finds the highest rate that meets an SLO.
+model extrapolates, max_rate.py finds the highest rate that meets an SLO, roofline.py is the
+cost model of a machine's ceilings (each step at max(bytes / bandwidth, FLOPs / peak)).
 The scheduling policies, by name, are in llmlab/policies.py (POLICIES, resolve_policy).
 """
 from llmlab.experiments.cost_model import FEATURES, CostModel, step_features
@@ -24,6 +25,7 @@ from llmlab.experiments.fitted_range import ExtrapolationWarning
 from llmlab.experiments.max_rate import RateSearch, max_rate
 from llmlab.experiments.repeats import Interval, Repeats
 from llmlab.experiments.result import RequestMetrics, Result, StepStats
+from llmlab.experiments.roofline import Roofline
 from llmlab.experiments.run import engine_meta, run
 from llmlab.experiments.simulate import simulate
 from llmlab.experiments.workload import Workload, WorkloadRequest, read_lengths
@@ -43,6 +45,6 @@ def __getattr__(name):   # figures need plotly, which a GPU box may not have: im
 
 
 __all__ = ["FEATURES", "POLICIES", "CostModel", "DenseProfile", "ExtrapolationWarning", "Interval", "RateSearch",
-           "Repeats", "RequestMetrics", "Result", "StepStats", "max_rate",
+           "Repeats", "RequestMetrics", "Result", "Roofline", "StepStats", "max_rate",
            "Workload", "WorkloadRequest", "engine_meta", "read_lengths", "resolve_policy", "run", "simulate", "step_features",
            *FIGURES]

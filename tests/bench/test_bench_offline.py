@@ -46,6 +46,26 @@ def test_runs_every_setting_with_prefix_caching_off_and_on(tmp_path):
     assert (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
+def test_reports_each_runs_share_of_the_bound(capsys):
+    """--roofline: the same requests simulated through the engine's scheduler at the given
+    ceilings (experiments/roofline.py); every llmlab row gets its share of that bound."""
+    from llmlab.experiments import simulate
+    from llmlab.experiments.roofline import Roofline
+
+    args = parse("--num-requests", "3", "--input-len", "20", "--output-len", "3", "--num-gpu-blocks", "64",
+                 "--warmup", "light", "--roofline", "0.02,0.5")
+    results = offline.main(args)
+    llm = offline.build_llm(args)   # the same engine, to compute the bound independently here
+    workload = offline.build_workload(args, llm.engine.model_config.vocab_size)
+    expected = simulate(workload, llm.engine.config, Roofline.of_engine(llm.engine, 0.02, 0.5)).summary()
+    row = results[0]
+    assert row["of_bound"] == pytest.approx(row["output_tokens_per_s"] / expected["output_tok_s"])
+    assert "bound: " in capsys.readouterr().out
+    args = parse("--num-requests", "2", "--input-len", "8", "--output-len", "2", "--warmup", "light")
+    assert "of_bound" not in offline.main(args)[0]   # no bound on a CPU unless asked for
+
+
 def test_the_random_model_takes_the_command_lines_engine_flags():
     """`--model random-llama3-8b` (the GPU benchmarks) builds its EngineConfig from the
     command line: flags left unset (None in the namespace) keep the defaults, set ones win."""
