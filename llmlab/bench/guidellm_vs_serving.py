@@ -12,7 +12,10 @@ names a running server) is measured:
     --max-concurrency;
   * sweep: GuideLLM's `sweep` profile (synchronous, throughput, then --sweep-size - 2 Poisson
     rates between the two), then `bench serving` at each point it ran: one request at a time,
-    rate inf at --max-concurrency, and each Poisson rate (burstiness 1) at --max-concurrency.
+    rate inf at --max-concurrency, and each Poisson rate at --max-concurrency, its requests
+    sent at the times GuideLLM's were (their targeted starts): at a rate the server keeps up
+    with, output tok/s follows the span of the arrivals, and the spans of two Poisson draws
+    of 16 arrivals differ by 37% (one standard deviation of their ratio).
 Both send fixed lengths with ignore_eos and no temperature: GuideLLM's synthetic prompts of
 exactly --prompt-tokens tokens, `bench serving`'s synthetic prompts of as many words (about
 one token each: the table shows both prompt lengths as the server counted them), every
@@ -121,7 +124,12 @@ def guidellm_point(benchmark: dict, max_concurrency: int) -> dict:
     def successful(name, statistic):
         return metrics[name]["successful"][statistic]
 
-    return {"point": kind if kind != "poisson" else f"poisson {rate:.2f}/s", "rate": rate,
+    point = {}
+    if kind == "poisson":   # when GuideLLM meant to send each request, from the first
+        sent = sorted(arrival(r) for group in ("successful", "errored", "incomplete")
+                      for r in benchmark["requests"].get(group, ()))
+        point["arrivals"] = [t - sent[0] for t in sent]
+    return point | {"point": kind if kind != "poisson" else f"poisson {rate:.2f}/s", "rate": rate,
             "max_concurrency": concurrency or max_concurrency,
             "guidellm": {"output_tok_s": successful("output_tokens_per_second", "mean"),
                          "successful": totals["successful"], "errored": totals["errored"],
@@ -131,6 +139,12 @@ def guidellm_point(benchmark: dict, max_concurrency: int) -> dict:
                          "mean_prompt_tokens": successful("prompt_token_count", "mean")}}
 
 
+def arrival(request: dict) -> float:
+    """When GuideLLM meant to send a request (its Poisson schedule's targeted start), else
+    when it did."""
+    return ((request.get("info") or {}).get("timings") or {}).get("targeted_start") or request["request_start_time"]
+
+
 # ---- bench serving on the same point --------------------------------------------------------
 def serving_point(args, url: str, model: str, point: dict, num_requests: int, seed: int) -> dict:
     from llmlab.bench import serving
@@ -138,11 +152,13 @@ def serving_point(args, url: str, model: str, point: dict, num_requests: int, se
     # sigma 0: every prompt --prompt-tokens words (the one `serving.run` puts in front of each
     # point's prompts included: `for_rate`), every output exactly --output-tokens
     words = max(args.prompt_tokens - 1, 1)
+    arrivals = point.get("arrivals")
+    num_requests = len(arrivals) if arrivals else num_requests
     prompts = serving.synthetic_prompts(num_requests, seed, words, args.output_tokens, sigma=0.0,
                                         max_input_len=words, max_output_len=args.output_tokens)
     # no temperature, as GuideLLM sends its requests: the server's default (1.0), sampled
     report = serving.run(url, [point["rate"]], prompts, model, seed=seed, progress=False,
-                         max_concurrency=point["max_concurrency"], temperature=None)
+                         max_concurrency=point["max_concurrency"], temperature=None, arrivals=arrivals)
     result = report["results"][0]
     return {"output_tok_s": result["output_throughput"], "completed": result["completed"],
             "failed": result["failed"], "ttft_p50_ms": result["ttft_ms"].get("median") if result["ttft_ms"] else None,

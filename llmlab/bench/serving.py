@@ -134,14 +134,19 @@ async def send(session, url: str, model: str, prompt: Prompt, arrival: float, se
 async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float, seed: int = 0,
                    api_key: str | None = None, progress: bool = True, burstiness: float = 1.0,
                    max_concurrency: int | None = None, slo_ms: dict | None = None,
-                   percentiles=(50, 90, 99), temperature: float | None = 0.0) -> dict:
-    """All prompts at one arrival rate; returns the summary and every request's timings."""
+                   percentiles=(50, 90, 99), temperature: float | None = 0.0, arrivals=None) -> dict:
+    """All prompts at one arrival rate; returns the summary and every request's timings.
+    `arrivals`: their arrival times (s, one per prompt) instead of times drawn for the rate,
+    e.g. another client's, so that both send the same load."""
     import asyncio
 
     import aiohttp
     from tqdm.auto import tqdm
 
-    arrivals = arrival_times(len(prompts), rate, burstiness, seed)
+    if arrivals is None:
+        arrivals = arrival_times(len(prompts), rate, burstiness, seed)
+    elif len(arrivals) != len(prompts):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     in_flight = {"now": 0, "peak": 0}
@@ -192,12 +197,15 @@ async def run_rate(base_url: str, model: str, prompts: list[Prompt], rate: float
 def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | None = None,
         api_key: str | None = None, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
         max_concurrency: int | None = None, slo_ms: dict | None = None, percentiles=(50, 90, 99),
-        temperature: float | None = 0.0) -> dict:
+        temperature: float | None = 0.0, arrivals=None) -> dict:
     """A sweep over `rates` (one warm-up request first); returns the plot-ready results.
     Works from a script and from a notebook cell alike. Requests are greedy unless
-    `temperature` says otherwise (None: sent without one, as GuideLLM sends them)."""
+    `temperature` says otherwise (None: sent without one, as GuideLLM sends them).
+    `arrivals`: with one rate, the prompts' arrival times instead of drawn ones (run_rate)."""
     import httpx
 
+    if arrivals is not None and len(rates) != 1:
+        raise ValueError(f"arrival times are one rate's: give one rate, not {len(rates)}")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be a positive number of requests, got {max_concurrency}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -208,7 +216,7 @@ def run(base_url: str, rates: list[float], prompts: list[Prompt], model: str | N
         warm_up = client.post("/v1/completions", json={"model": model, "prompt": prompts[0].text, "max_tokens": 4})
         warm_up.raise_for_status()
     results = [_run_coroutine(run_rate(base_url, model, for_rate(prompts, i), rate, seed, api_key, progress,
-                                       burstiness, max_concurrency, slo_ms, percentiles, temperature))
+                                       burstiness, max_concurrency, slo_ms, percentiles, temperature, arrivals))
                for i, rate in enumerate(rates)]
     return {"base_url": base_url, "model": model, "num_prompts": len(prompts), "seed": seed,
             "burstiness": burstiness, "max_concurrency": max_concurrency, "slo_ms": slo_ms,

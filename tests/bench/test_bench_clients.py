@@ -10,11 +10,17 @@ from llmlab.bench.guidellm_vs_serving import format_rows, guidellm_point
 
 
 def benchmark(strategy: dict, tok_s=17.1, errored=0) -> dict:
-    """A GuideLLM 0.8 benchmark as its JSON output has it (the fields read, the values made up)."""
+    """A GuideLLM 0.8 benchmark as its JSON output has it (the fields read, the values made up):
+    its requests in no order, each with the time its schedule targeted and the time it started."""
     def summary(mean, median):
         return {"successful": {"mean": mean, "median": median}}
 
-    return {"config": {"strategy": strategy},
+    def request(targeted):
+        return {"request_start_time": targeted + 0.01, "info": {"timings": {"targeted_start": targeted}}}
+
+    requests = {"successful": [request(t) for t in (100.5, 100.0, 103.25)], "errored": [request(101.0)],
+                "incomplete": [{"request_start_time": 104.0, "info": None}]}   # never scheduled: its start
+    return {"config": {"strategy": strategy}, "requests": requests,
             "metrics": {"request_totals": {"successful": 6, "errored": errored, "incomplete": 0, "total": 6 + errored},
                         "output_tokens_per_second": summary(tok_s, 15.0),
                         "time_to_first_token_ms": summary(700.0, 650.0),
@@ -34,6 +40,12 @@ def test_each_guidellm_point_becomes_the_load_bench_serving_runs(strategy, rate,
     assert (point["rate"], point["max_concurrency"], point["point"]) == (rate, concurrency, name)
     assert point["guidellm"] == {"output_tok_s": 17.1, "successful": 6, "errored": 0, "incomplete": 0,
                                  "ttft_p50_ms": 650.0, "itl_p50_ms": 200.0, "mean_prompt_tokens": 16.0}
+
+
+def test_bench_serving_sends_a_poisson_point_at_guidellms_own_times():
+    poisson = guidellm_point(benchmark({"type_": "poisson", "max_concurrency": 4, "rate": 2.0}), max_concurrency=4)
+    assert poisson["arrivals"] == [0.0, 0.5, 1.0, 3.25, 4.0]    # every request's, errored ones too
+    assert "arrivals" not in guidellm_point(benchmark({"type_": "throughput", "max_concurrency": 4}), 4)
 
 
 def test_a_point_bench_serving_cannot_run_is_refused():

@@ -108,3 +108,26 @@ def test_max_concurrency_holds_on_a_server():
             assert max(r["queued"] for r in result["requests"]) > 0      # some waited for a slot
         else:
             assert app.peak > 2                              # the counter sees more when nothing limits them
+
+
+@pytest.mark.slow
+def test_given_arrival_times_are_the_times_sent():
+    """`arrivals` (bench guidellm replays GuideLLM's Poisson schedule with it) replaces the
+    rate's drawn times: one per prompt, with one rate."""
+    from llmlab.server.app import create_app
+
+    from helpers.server import running, tiny_engine
+
+    prompts = serving.synthetic_prompts(3, seed=0, mean_input_len=8, max_input_len=16, mean_output_len=4,
+                                        max_output_len=8)
+    arrivals = [0.0, 0.05, 0.4]
+    with running(create_app(tiny_engine())) as url:
+        report = serving.run(url, [2.0], prompts, progress=False, arrivals=arrivals)
+        result = report["results"][0]
+        assert result["completed"] == 3
+        assert sorted(r["arrival"] for r in result["requests"]) == arrivals
+        assert result["duration_s"] >= 0.4
+        with pytest.raises(ValueError, match="one rate"):
+            serving.run(url, [2.0, 4.0], prompts, progress=False, arrivals=arrivals)
+        with pytest.raises(ValueError, match="2 arrival times for 3 prompts"):
+            serving.run(url, [2.0], prompts, progress=False, arrivals=arrivals[:2])
