@@ -22,9 +22,9 @@ from llmlab.bench.common import (BLOCK_SIZE, DTYPE, HEAD_DIM, HIDDEN, INTERMEDIA
                                  kernel_time_ms, paged_cache, quantize_paged_cache, quantized_cache_dtypes, write_json)
 from llmlab.kernels import reference
 from llmlab.machine import versions
+# the roofline here: the H200's measured ceilings (their one home: experiments/roofline.py)
+from llmlab.experiments.roofline import H200_TB_S as COPY_TB_S, H200_TFLOP_S as MATMUL_TFLOP_S
 
-COPY_TB_S = 4.27        # H200 device-to-device copy, bytes read + written (measured; the roofline here)
-MATMUL_TFLOP_S = 790.0  # H200 bf16 8192^3 torch.matmul on random data (measured)
 NUM_TOKENS = 8192
 
 

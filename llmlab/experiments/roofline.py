@@ -22,8 +22,9 @@ from __future__ import annotations
 from llmlab.config import ModelConfig
 from llmlab.experiments.cost_model import FEATURES, CostModel
 
-# the lent H200's measured ceilings (BENCHMARKS.md): device-to-device copy, bytes read and
-# written; bf16 8192^3 matmul
+# the lent H200's measured ceilings (BENCHMARKS.md; `llmlab bench kernels` rates its kernels
+# against them): device-to-device copy, bytes read + written; bf16 8192^3 torch.matmul on
+# random data
 H200_TB_S, H200_TFLOP_S = 4.27, 790.0
 
 
