@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import torch
 
-from llmlab.engine.cuda_graphs import batch_size_ladder
+from llmlab.cuda_graphs.decode import batch_size_ladder
 from llmlab.model.llama import ForwardBatch
 
 

@@ -74,7 +74,7 @@ def test_explicit_values_are_kept_and_the_callers_config_is_not_changed(gpu_memo
 
 
 def test_graph_batch_sizes_stop_at_512_as_vllms():
-    from llmlab.engine.cuda_graphs import batch_size_ladder
+    from llmlab.cuda_graphs.decode import batch_size_ladder
 
     # vLLM: [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)
     expected = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))

@@ -18,7 +18,7 @@ import torch
 
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
-from llmlab.engine.cuda_graphs import CudaGraphDecoder
+from llmlab.cuda_graphs.decode import CudaGraphDecoder
 from llmlab.engine.in_flight import InFlightStep
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.output import OutputProcessor, OutputText

@@ -26,10 +26,10 @@ from llmlab.cache.kv_cache import KVCache, kv_cache_dtype, num_blocks_for
 from llmlab import sizing
 from llmlab.config import EngineConfig, ModelConfig, check_device
 from llmlab.engine import batch as batches
-from llmlab.engine.cuda_graphs import CudaGraphDecoder
+from llmlab.cuda_graphs.decode import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.input_buffers import InputBuffers
-from llmlab.engine.prompt_graphs import TOKEN_SIZES, PromptGraphs
+from llmlab.cuda_graphs.prompt import TOKEN_SIZES, PromptGraphs
 from llmlab import kernels
 from llmlab.model.llama import ForwardBatch, LlamaModel
 from llmlab.model.loader import load_model
@@ -131,7 +131,7 @@ class ModelRunner:
 
     def make_decode_graphs(self):
         """The decode-step CUDA graphs that `forward` replays from now on: CudaGraphDecoder
-        (cuda_graphs.py) or the class plugged in as `cuda_graphs`, or with tensor parallelism
+        (cuda_graphs/decode.py) or the class plugged in as `cuda_graphs`, or with tensor parallelism
         every rank's at once (parallel/cuda_graphs.py); making them captures each size of their
         batch-size ladder with one split. Called once, by the warm-up (warm_up.py), which
         captures the rest."""
@@ -145,7 +145,7 @@ class ModelRunner:
 
     def make_prompt_graphs(self):
         """The graphs that `forward` replays from now on for steps that hold a prompt, of up to
-        512 tokens: the whole step, captured per padded token count (prompt_graphs.py).
+        512 tokens: the whole step, captured per padded token count (cuda_graphs/prompt.py).
         Called once, by the warm-up; not with tensor parallelism, a plugged-in decoder layer
         or the knob off (kernels.knobs.prompt_graphs): None then."""
         max_tokens = sizing.token_budget(self.config)

@@ -7,10 +7,10 @@ long-context decode graphs showed in the calibration's p90).
 its KV cache, does, on a GPU with the Triton backend (on a CPU nothing compiles: torch
 kernels, or Triton's interpreter), in this order:
   1. decode CUDA graphs  runner.make_decode_graphs captures one per size of the batch-size
-                         ladder with one split (cuda_graphs.py; every rank's with tensor
+                         ladder with one split (cuda_graphs/decode.py; every rank's with tensor
                          parallelism), then every other (size, splits) key `graph_keys` lists;
                          then the graphs of steps that hold a prompt, one per padded
-                         token count (prompt_graphs.py);
+                         token count (cuda_graphs/prompt.py);
                          not with enforce_eager, nor with pipeline parallelism (eager steps)
   2. kernel variants     `compile_kernels`: the `warm_up_plans` batches through the runner
   3. sampler graphs      Sampler.warm_up: every row count up to max_num_seqs, with and
@@ -40,7 +40,7 @@ import torch
 
 from llmlab.config import EngineConfig
 from llmlab.engine.batch import dummy_plan, num_blocks_of
-from llmlab.engine.cuda_graphs import padded_batch_size
+from llmlab.cuda_graphs.decode import padded_batch_size
 from llmlab.model.llama import LOGITS_DTYPE
 from llmlab.plan import Plan
 
@@ -128,7 +128,7 @@ def warm_up_plans(block_size: int, max_num_seqs: int, max_num_batched_tokens: in
 
 def graph_keys(sizes: list[int], max_num_seqs: int, max_model_len: int, num_splits) -> list[tuple[int, int]]:
     """Every (graph batch size, splits) a decode step of 1 .. max_num_seqs sequences with
-    contexts up to max_model_len replays (cuda_graphs.py); the split count only grows with
+    contexts up to max_model_len replays (cuda_graphs/decode.py); the split count only grows with
     the context, so a batch whose longest context gets one split needs no other key."""
     keys = set()
     for num_seqs in range(1, min(max_num_seqs, sizes[-1]) + 1):

@@ -23,7 +23,7 @@ may set a field directly:
 | sample_programs | LLMLAB_SAMPLE_PROGRAMS | 512   | programs per batch the sampler aims for (chunks per row = this / rows) |
 | sample_rounds   | LLMLAB_SAMPLE_ROUNDS | 3       | rejection checks before the sampler's radix fallback |
 | sample_top_k_cap | LLMLAB_SAMPLE_TOP_K_CAP | 1024 | largest top_k the sampler's candidates path takes (0: every top-k row to the radix passes) |
-| prompt_graphs   | LLMLAB_PROMPT_GRAPHS | on      | GPU steps that hold a prompt (up to 512 tokens) replay as CUDA graphs, attention included (engine/prompt_graphs.py) |
+| prompt_graphs   | LLMLAB_PROMPT_GRAPHS | on      | GPU steps that hold a prompt (up to 512 tokens) replay as CUDA graphs, attention included (cuda_graphs/prompt.py) |
 
 Knobs that the engine decides per run (CUDA graphs, async scheduling, the KV cache's
 dtype, ...) are `EngineConfig` fields instead.

@@ -50,7 +50,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor         # [S] row of the last token of each sequence that samples
     num_splits: int = 1                  # flash-decoding splits (1 = PagedAttention v1)
     backend: str | None = None           # kernels: "reference" | "torch" | "triton"; None = llmlab.kernels' default
-    # a prompt graph's batch (engine/prompt_graphs.py): [T] bool, the rows that take decode
+    # a prompt graph's batch (cuda_graphs/prompt.py): [T] bool, the rows that take decode
     # attention; both attentions then run over all T rows, the decode one's tables and seq_lens
     # [T] (1 on the other rows), the prefill one's padded with sequences of no tokens
     decode_rows: torch.Tensor | None = None

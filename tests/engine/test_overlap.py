@@ -333,7 +333,7 @@ def h200_splits(num_seqs: int, context: int) -> int:
 
 
 def test_graph_keys_cover_every_decode_batch():
-    from llmlab.engine.cuda_graphs import batch_size_ladder
+    from llmlab.cuda_graphs.decode import batch_size_ladder
 
     sizes = batch_size_ladder(256)
     keys = set(graph_keys(sizes, 256, 8192, h200_splits))

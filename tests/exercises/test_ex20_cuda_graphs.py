@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diagnose import fail
-from llmlab.engine.cuda_graphs import batch_size_ladder
+from llmlab.cuda_graphs.decode import batch_size_ladder
 
 EXERCISE = "ex20_cuda_graphs"
 GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: graded on a GPU only")

@@ -128,7 +128,7 @@ def test_choose_num_splits():
     ([1, 15, 16, 17, 600, 2500], [1, 15, 16, 17, 600, 2500]),
     ([5000, 300, 1040], [512, 300, 17]),                # chunks after cached context
     # many sequences: a chunk, one-token queries and sequences of no queries after them (a
-    # prompt graph pads its sequences so, engine/prompt_graphs.py), 300 in all: BLOCK_S 512
+    # prompt graph pads its sequences so, cuda_graphs/prompt.py), 300 in all: BLOCK_S 512
     ([40, 1040] + [1 + 37 * i % 2000 for i in range(98)] + [0] * 200, [40, 17] + [1] * 98 + [0] * 200),
 ], ids=["4k", "ragged", "chunked", "graph-step"])
 def test_gpu_prefill_attention(dtype, seq_lens, query_lens):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from llmlab.engine.cuda_graphs import CudaGraphDecoder
+from llmlab.cuda_graphs.decode import CudaGraphDecoder
 from llmlab.engine.parallel.pipeline import whole_batch_cuts
 from llmlab.model.llama import ForwardBatch
 from llmlab.model.tensor_parallel import TensorParallelShard

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from llmlab.cache.kv_cache import KVCache
 from llmlab.config import EngineConfig, ModelConfig
 from llmlab.engine.parallel import wire
-from llmlab.engine.cuda_graphs import CudaGraphDecoder
+from llmlab.cuda_graphs.decode import CudaGraphDecoder
 from llmlab.engine.host_memory import keep_freed_memory
 from llmlab.engine.parallel.pipeline import micro_batches, run_stage
 from llmlab.engine.parallel.placement import RankLayout, distribute_weights, join_groups, local_config

@@ -36,7 +36,7 @@ MAX_ROWS = 64
 # Split-K scratch, per (device, split count, padded N, tiles): never freed, so a CUDA graph
 # that captured a launch keeps reading live memory. The first (eager) call of a tiling
 # allocates it for MAX_ROWS rows whatever its own row count, so graph capture, which always
-# follows an eager run of the same step (engine/cuda_graphs.py), allocates nothing. One set
+# follows an eager run of the same step (cuda_graphs/decode.py), allocates nothing. One set
 # serves every weight of that tiling: the engine's kernels run on one stream, one at a time,
 # and every call leaves its tile counters at 0, so no call sees another's state. (Two skinny
 # GEMMs of one tiling on two streams at once would need their own buffers.)

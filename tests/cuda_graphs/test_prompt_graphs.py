@@ -1,4 +1,4 @@
-"""CUDA graphs of steps that hold a prompt (engine/prompt_graphs.py), on a GPU:
+"""CUDA graphs of steps that hold a prompt (cuda_graphs/prompt.py), on a GPU:
 the same logits as the eager forward for prefill-only and mixed steps of every padded size
 (token counts that are not multiples of 16, one token, the largest size), over float32,
 bf16 and int8 caches; an engine that replays them gives eager's greedy tokens for requests
@@ -9,7 +9,7 @@ import torch
 from llmlab import EngineConfig, LLMEngine, SamplingParams
 from llmlab.config import ModelConfig
 from llmlab.engine.batch import dummy_plan
-from llmlab.engine.prompt_graphs import MAX_PROMPTS, TOKEN_SIZES
+from llmlab.cuda_graphs.prompt import MAX_PROMPTS, TOKEN_SIZES
 from llmlab.model.llama import LlamaModel
 
 from helpers.engine import SMALL_LLAMA3

@@ -1,6 +1,6 @@
 """CUDA graphs for steps that hold a prompt (a prefill, or prefills beside decodes).
 
-A decode graph (cuda_graphs.py) cannot take such a step: its attention has prompts of
+A decode graph (decode.py) cannot take such a step: its attention has prompts of
 lengths that change from step to step. Run eagerly, it launches ~10 kernels per layer from
 Python: on an H200 with the 8B model ~15 ms of host time for ~6 ms of GPU work, and every
 request that arrives stalls every running stream for that long (ITL p99 44 ms at 8 req/s

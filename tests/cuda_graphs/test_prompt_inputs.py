@@ -1,4 +1,4 @@
-"""A step staged into a prompt graph's buffers (engine/prompt_graphs.py's PromptInputs), on
+"""A step staged into a prompt graph's buffers (cuda_graphs/prompt.py's PromptInputs), on
 the CPU: the model's attention over the staged batch (both attentions over every row,
 prefill sequences padded with empty ones, decode rows chosen by `decode_rows`) gives the
 step's attention by the reference (its prefill chunks' prefill attention, then its decodes'
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmlab import kernels
-from llmlab.engine.prompt_graphs import MAX_PROMPTS, TOKEN_SIZES, PromptInputs, padded_token_count
+from llmlab.cuda_graphs.prompt import MAX_PROMPTS, TOKEN_SIZES, PromptInputs, padded_token_count
 from llmlab.model.llama import ForwardBatch
 
 from helpers.engine import TINY, tiny_model
