@@ -94,6 +94,8 @@ def guidellm(args, url: str, model: str, tokenizer: str, profile: str, num_reque
     env.pop("PYTHONPATH", None)    # its own packages, not ours
     if args.guidellm_workers is not None:
         env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(args.guidellm_workers)
+    if Path(tokenizer).exists():    # a folder here: GuideLLM runs in a folder of its own
+        tokenizer = str(Path(tokenizer).resolve())
     with tempfile.TemporaryDirectory() as folder:
         output = Path(folder) / "guidellm.json"
         command = [str(binary), "run",

@@ -1,11 +1,15 @@
 """`llmlab bench guidellm`: GuideLLM's points read as the loads `bench serving` runs beside
 them, and `bench serving`'s prompts of the fixed lengths GuideLLM's synthetic data has. (The
 commands themselves, against a live server: tests/server/test_bench_clients_live.py.)"""
+import argparse
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from llmlab.bench import serving
+from llmlab.bench import guidellm_vs_serving
 from llmlab.bench.guidellm_vs_serving import format_rows, guidellm_point
 
 
@@ -71,3 +75,24 @@ def test_sigma_zero_gives_every_prompt_and_output_the_asked_length():
                                         max_input_len=128, max_output_len=32)
     assert {len(p.text.split()) for p in prompts} == {128} and {p.output_len for p in prompts} == {32}
     assert len({p.text for p in prompts}) == 20
+
+
+def test_guidellm_is_given_a_relative_tokenizer_folder_as_a_path_it_can_find(tmp_path, monkeypatch):
+    """GuideLLM runs in a temporary folder of its own, where `--tokenizer tok` (a folder here)
+    would be read as a hub name and fail; it gets the folder's absolute path."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "guidellm").touch()
+    monkeypatch.chdir(tmp_path)
+    commands = []
+
+    def run(command, cwd, env, check):
+        commands.append(command)
+        (Path(cwd) / "guidellm.json").write_text(json.dumps({"benchmarks": []}))
+
+    monkeypatch.setattr(guidellm_vs_serving.subprocess, "run", run)
+    args = argparse.Namespace(clients_venv=str(tmp_path / "venv"), guidellm_workers=None,
+                              prompt_tokens=16, output_tokens=8)
+    for tokenizer, expected in [("tok", str(tmp_path / "tok")), ("org/some-model", "org/some-model")]:
+        guidellm_vs_serving.guidellm(args, "http://127.0.0.1:1", "m", tokenizer, "synchronous", 4)
+        assert f"kind=huggingface_auto,model={expected}" in commands[-1]
