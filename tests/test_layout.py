@@ -110,3 +110,16 @@ def test_the_one_device_engine_does_not_import_the_ranks():
     tree = ast.parse((PACKAGE / "engine" / "model_runner.py").read_text())
     top_level = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
     assert not any(module.startswith("llmlab.engine.parallel") for module in top_level)
+
+
+def test_the_one_device_engine_stays_readable_in_one_sitting():
+    """#29's sizes: engine/ without parallel/ (the loop a newcomer reads) at most 1,200 lines,
+    engine.py at most 230, scheduler.py at most 300. CUDA graphs (cuda_graphs/) and the ranks
+    (engine/parallel/) are layers around it."""
+    def lines(path: pathlib.Path) -> int:
+        return len(path.read_text().splitlines())
+
+    engine = [path for path in (PACKAGE / "engine").rglob("*.py") if "parallel" not in path.parts]
+    assert sum(map(lines, engine)) <= 1200, {path.name: lines(path) for path in engine}
+    assert lines(PACKAGE / "engine" / "engine.py") <= 230
+    assert lines(PACKAGE / "scheduler.py") <= 300
