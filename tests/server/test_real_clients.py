@@ -3,10 +3,11 @@ embedded model (issue #40): lm-evaluation-harness (`local-completions` on a smal
 multiple-choice task) and GuideLLM (a synthetic workload, throughput profile). Not our
 reading of their requests: their own code, from PyPI.
 
-They live in a venv of their own (they pin their own torch and transformers; the project's
+They live in a venv of their own (their own transformers and datasets; the project's
 dependencies stay free of both): `make clients` builds it (.venv-clients: lm-eval[api,hf]
-0.4.x and guidellm) and runs this file with LLMLAB_CLIENTS_VENV pointing at it. Without that
-variable the tests are skipped. Everything runs offline: the task's data is
+0.4.13 and guidellm 0.8.1 beside the project's torch pin) and runs this file with
+LLMLAB_CLIENTS_VENV pointing at it; CI runs it after `make test`. Without that variable the
+tests are skipped. Everything runs offline: the task's data is
 tests/server/clients/llmlab_mc.jsonl, the tokenizer is the embedded model's converted folder.
 """
 from __future__ import annotations
