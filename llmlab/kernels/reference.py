@@ -224,13 +224,17 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
                      k_scales=None, v_scales=None):
     """One query token per sequence attending to its seq_lens[i] cached tokens.
     `num_splits` only changes how a kernel divides the work; the result is the same.
-    A quantized cache is read as dequantize(codes, scales). q [S, H, D] -> out [S, H, D]."""
+    A quantized cache is read as dequantize(codes, scales). q [S, H, D] -> out [S, H, D].
+    A sequence of no tokens attends to nothing: its row is zeros (a prompt graph's rows that
+    are not decodes, cuda_graphs/prompt.py)."""
     check_scales(k_cache, v_cache, k_scales, v_scales)
     num_seqs = q.shape[0]
     if num_seqs == 0:
         return torch.empty_like(q)
     lens = seq_lens.tolist()
     max_len = max(lens)
+    if max_len == 0:
+        return torch.zeros_like(q)
     block_size = k_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
     tables = block_tables[:, :num_blocks].long().flatten()
@@ -246,7 +250,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     for i, n in enumerate(lens):
         v[i, n:] = 0
     q, mask = q[:, None], mask[:, None, :]          # one query per sequence: [S, 1, H, D], [S, 1, L]
-    return _attend_batched(q.float(), k, v, mask, scale)[:, 0].to(q.dtype)
+    out = _attend_batched(q.float(), k, v, mask, scale)[:, 0]
+    return out.masked_fill((seq_lens == 0)[:, None, None], 0).to(q.dtype)   # (a softmax over nothing: NaN)
 
 
 def _attend_batched(q, k, v, mask, scale):

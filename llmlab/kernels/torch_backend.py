@@ -156,13 +156,16 @@ def decode_layout(block_tables, seq_lens, block_size):
     """How decode reads the cache, the same for every layer of a forward: per group of
     similar-length sequences, (their batch positions or None for the whole batch in order,
     block ids to gather [S_g * n], padded length L = n * block_size, valid rows [S_g, L],
-    flat indices of the rows past each sequence's end)."""
+    flat indices of the rows past each sequence's end). Sequences of no tokens are in no
+    group (their rows stay zeros)."""
     def compute():
         lens = seq_lens.tolist()
         groups = decode_groups(lens, block_size)
+        if 0 in lens:
+            groups = [kept for kept in ([i for i in group if lens[i] > 0] for group in groups) if kept]
         layout = []
         for group in groups:
-            whole = len(groups) == 1   # in batch order: no reordering of q or the output
+            whole = len(groups) == 1 and len(group) == len(lens)   # in batch order: no reordering
             index = None if whole else torch.tensor(group, device=seq_lens.device)
             group_lens = seq_lens if whole else seq_lens[index]
             num_blocks = -(-max(lens[i] for i in group) // block_size)
@@ -201,9 +204,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         if index is None:
             return result
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.zeros_like(q)    # the rows of sequences of no tokens stay zeros
         out.index_copy_(0, index, result)
-    return out
+    return torch.zeros_like(q) if out is None else out
 
 
 # ---- sampling ----------------------------------------------------------------------------

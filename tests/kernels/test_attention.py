@@ -94,6 +94,25 @@ def test_torch_decode_attention_groups_sequences_by_length():
     check_decode_attention("torch", torch.float32, 6, 2, 64, 16, seq_lens, 1)
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("seq_lens", [[0, 37, 0, 5, 0], [0, 700, 20, 0, 1500, 64, 0, 900], [0, 0]],
+                         ids=["one-group", "groups", "all-empty"])
+def test_decode_attention_a_sequence_of_no_tokens_gets_zeros(backend, seq_lens):
+    """A row of seq_len 0 attends to nothing and gets zeros (a prompt graph's rows that are
+    not decodes); the other rows get what they get in a batch without those rows."""
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, 2, 64, torch.float32, gen)
+    q = randn_view(len(seq_lens), 6, 64, dtype=torch.float32, gen=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    actual = kernels.decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, 2, backend=backend)
+    empty = lens == 0
+    assert torch.equal(actual[empty], torch.zeros_like(actual[empty]))
+    if not empty.all():
+        expected = reference.decode_attention(q[~empty], k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                                              block_tables[~empty], lens[~empty], 0.125)
+        torch.testing.assert_close(actual[~empty], expected, **FP32_TOL)
+
+
 @pytest.mark.parametrize("num_splits", [0, None])
 @pytest.mark.slow
 def test_decode_attention_chooses_splits(num_splits):
