@@ -25,8 +25,8 @@ demo: $(STAMP)
 # overlapping labels and cells silent for 60 s (test_notebooks_in_browser.py; the widgets of
 # 04, 06 and 08 clicked there too), or, where chromium is missing, through nbval and the rerun
 # test (a notebook's nbval cells stay on one worker). From a clean clone on a 2-core AMD EPYC
-# (2026-12-04, two runs): 7.3 + 1.6 + 5.7 and 8.4 + 1.7 + 6.3 minutes for the three; .ci/run
-# with the install and `make clients` 20.7. A third worker gains nothing: the first is CPU-bound
+# (2026-12-04, three runs): 7.3 + 1.6 + 5.7, 8.4 + 1.7 + 6.3 and 7.2 + 1.7 + 5.9 minutes for the
+# three; .ci/run with the install and `make clients` 18.6-20.7. A third worker gains nothing: the first is CPU-bound
 # (8.5 minutes with -n 3), the notebooks nearly (5.8 against 6.1).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/exercises --ignore=tests/notebooks -n 2 --durations=25
