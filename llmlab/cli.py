@@ -101,6 +101,7 @@ def cmd_convert(args) -> None:
 BENCHMARKS = {
     "kernels": "llmlab.bench.kernels",
     "decode-variants": "llmlab.bench.decode_variants",
+    "prefill-variants": "llmlab.bench.prefill_variants",
     "single-forward": "llmlab.bench.single_forward",
     "offline": "llmlab.bench.offline",
     "serving": "llmlab.bench.serving",

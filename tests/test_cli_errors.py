@@ -75,10 +75,13 @@ def test_values_whose_error_names_the_flag(capsys, argv, words):
 def test_unknown_names_are_refused_before_anything_runs(capsys):
     fails_with(capsys, ["bench", "gemv", "--configs", "nosuch"], "--configs", "nosuch")
     fails_with(capsys, ["bench", "decode-variants", "--cache-dtypes", "int4"], "--cache-dtypes", "int4")
+    fails_with(capsys, ["bench", "prefill-variants", "--cache-dtypes", "int4"], "--cache-dtypes", "int4")
+    fails_with(capsys, ["bench", "prefill-variants", "--shapes", "4096"], "--shapes", "SEQSxQUERIESxCONTEXT")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
 @pytest.mark.parametrize("argv", [["generate", "hi", "--device", "cuda"], ["bench", "sampler", "--device", "cuda"],
-                                  ["bench", "decode-variants", "--device", "cuda"]])
+                                  ["bench", "decode-variants", "--device", "cuda"],
+                                  ["bench", "prefill-variants", "--device", "cuda"]])
 def test_a_cuda_device_this_machine_lacks(capsys, argv):
     fails_with(capsys, argv, "no CUDA device here")

@@ -94,6 +94,16 @@ def kernel_time_ms(make_call, bytes_per_call=0, graph=True) -> tuple[float, floa
     return triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median"), eager
 
 
+def variant_time_ms(make_call, num_bytes, on_gpu) -> tuple[float, float]:
+    """(ms, eager ms) of make_call(0)(): kernel_time_ms on a GPU; on a CPU (Triton's
+    interpreter) the median wall time of 3 calls after one, for both. The kernel-variant
+    benchmarks time each variant so, to run the same code on both machines."""
+    if on_gpu:
+        return kernel_time_ms(make_call, num_bytes)
+    ms = median_ms(make_call(0), repeats=3, warmup=1, cuda_events=False)
+    return ms, ms
+
+
 def capture_graph(calls):
     """`calls` (functions of no arguments) captured in one CUDA graph, as the engine captures
     a decode step, after one run on a side stream (compiles, cuBLAS workspace); returns the

@@ -21,22 +21,13 @@ import math
 
 import torch
 
-from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES, kernel_time_ms,
-                                 median_ms, paged_cache, quantize_paged_cache, quantized_cache_dtypes, write_json)
+from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES, paged_cache,
+                                 quantize_paged_cache, quantized_cache_dtypes, variant_time_ms, write_json)
 from llmlab.kernels import reference
 from llmlab.machine import versions
 
 # outputs are averages of N(0, 1) values; 16-bit dots and outputs (bench_kernels' bf16 tolerance)
 TOLERANCE = dict(atol=2e-2, rtol=2e-2)
-
-
-def _time_ms(make_call, num_bytes, on_gpu):
-    """(ms, eager ms) of make_call(0)(): bench kernels' timer on a GPU; on a CPU (the
-    interpreter) the median wall time of 3 calls after one, for both."""
-    if on_gpu:
-        return kernel_time_ms(make_call, num_bytes)
-    ms = median_ms(make_call(0), repeats=3, warmup=1, cuda_events=False)
-    return ms, ms
 
 
 def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 2, 4), cache_dtypes=None,
@@ -84,7 +75,7 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
             out = make_call(0)()
             error = (out.float() - expected).abs().max().item()
             row.update(max_abs_err=round(error, 6), ok=bool(torch.allclose(out.float(), expected, **TOLERANCE)))
-            ms, ms_eager = _time_ms(make_call, num_bytes, on_gpu)
+            ms, ms_eager = variant_time_ms(make_call, num_bytes, on_gpu)
             row.update(ms=round(ms, 4), ms_eager=round(ms_eager, 4), tb_s=round(num_bytes / ms / 1e9, 3))
             if baseline_ms:
                 row["speedup_vs_bf16"] = round(baseline_ms / ms, 2)

@@ -24,6 +24,7 @@ may set a field directly:
 | sample_rounds   | LLMLAB_SAMPLE_ROUNDS | 3       | rejection checks before the sampler's radix fallback |
 | sample_top_k_cap | LLMLAB_SAMPLE_TOP_K_CAP | 1024 | largest top_k the sampler's candidates path takes (0: every top-k row to the radix passes) |
 | prompt_graphs   | LLMLAB_PROMPT_GRAPHS | on      | GPU steps that hold a prompt (up to 512 tokens) replay as CUDA graphs, attention included (cuda_graphs/prompt.py) |
+| prefill_config  | LLMLAB_PREFILL_CONFIG | (none) | the prefill-attention launch variant by name, 16-bit queries on a GPU (triton/prefill_configs.py; none: the default) |
 
 Knobs that the engine decides per run (CUDA graphs, async scheduling, the KV cache's
 dtype, ...) are `EngineConfig` fields instead.
@@ -40,7 +41,7 @@ ENVIRONMENT = {   # field -> the variable that sets it
     "sample_graphs": "LLMLAB_SAMPLE_GRAPHS", "sample_block": "LLMLAB_SAMPLE_BLOCK",
     "sample_warps": "LLMLAB_SAMPLE_WARPS", "sample_programs": "LLMLAB_SAMPLE_PROGRAMS",
     "sample_rounds": "LLMLAB_SAMPLE_ROUNDS", "sample_top_k_cap": "LLMLAB_SAMPLE_TOP_K_CAP",
-    "prompt_graphs": "LLMLAB_PROMPT_GRAPHS",
+    "prompt_graphs": "LLMLAB_PROMPT_GRAPHS", "prefill_config": "LLMLAB_PREFILL_CONFIG",
 }
 
 
@@ -59,6 +60,7 @@ class Knobs:
     sample_rounds: int = 3
     sample_top_k_cap: int = 1024
     prompt_graphs: bool = True
+    prefill_config: str | None = None
 
     @classmethod
     def from_environment(cls, environ=os.environ) -> "Knobs":

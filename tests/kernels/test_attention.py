@@ -53,6 +53,55 @@ def test_prefill_attention_empty_batch(backend):
     assert out.shape == (0, 4, 64)
 
 
+# A program that takes all query heads of a kv head (rows = tokens x heads) over ragged and
+# chunked lengths, and the configs that fall back to one head a program (a group of 3; 64
+# rows for a group of 8 leave 8 tokens a tile, under 16). The interpreter at 16 and 32 rows
+# a head, so tiles hold several tokens and a token's heads (the GPU test runs every config).
+@pytest.mark.parametrize("lengths", ["ragged", "chunked"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (8, 1), (6, 2), (4, 4)], ids=["gqa4", "gqa8", "gqa3", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_prefill_attention_packed_gqa(block_m, dtype, num_heads, num_kv_heads, lengths):
+    from llmlab.kernels.triton import prefill_attention as triton_prefill
+    from llmlab.kernels.triton.prefill_configs import PrefillConfig
+
+    config = PrefillConfig(block_m, 32, 4, 1, pack_gqa=True)
+    heads = triton_prefill._heads_per_program(config, num_heads // num_kv_heads)
+    assert heads == (num_heads // num_kv_heads if (num_heads, num_kv_heads, block_m) in
+                     {(8, 2, 64), (8, 2, 128), (8, 1, 128)} else 1)
+    seq_lens, query_lens = prefill_lengths(lengths, 16)
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, num_kv_heads, 64, dtype, gen)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    q = randn_view(sum(query_lens), num_heads, 64, dtype=dtype, gen=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    actual = triton_prefill.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.125,
+                                              config=config)
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.125)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
+def test_prefill_configs_by_name():
+    from llmlab.kernels import knobs
+    from llmlab.kernels.triton import prefill_attention as triton_prefill
+    from llmlab.kernels.triton.prefill_configs import DEFAULT_PREFILL_CONFIG, PREFILL_CONFIGS, prefill_config
+
+    assert all(PREFILL_CONFIGS[name].name == name for name in PREFILL_CONFIGS)
+    assert prefill_config().name == DEFAULT_PREFILL_CONFIG
+    cuda = torch.device("cuda")   # only the choice: nothing is launched
+    assert triton_prefill._launch_config(torch.bfloat16, cuda).name == DEFAULT_PREFILL_CONFIG
+    assert triton_prefill._launch_config(torch.bfloat16, cuda, "m128-n64-w8-s3-gqa").pack_gqa
+    old, knobs.prefill_config = knobs.prefill_config, "m64-n64-w4-s3"
+    try:
+        assert triton_prefill._launch_config(torch.bfloat16, cuda).name == "m64-n64-w4-s3"
+        assert triton_prefill._launch_config(torch.float32, cuda).name != "m64-n64-w4-s3"   # 16-bit queries only
+        assert triton_prefill._launch_config(torch.float32, torch.device("cpu")).block_n == 32   # the interpreter's
+    finally:
+        knobs.prefill_config = old
+    with pytest.raises(ValueError, match="unknown prefill-attention config 'm1-n2'"):
+        prefill_config("m1-n2")
+
+
 def check_decode_attention(backend, dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens, num_splits):
     gen = torch.Generator().manual_seed(8)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)

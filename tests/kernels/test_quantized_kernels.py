@@ -1,7 +1,8 @@
 """The 8-bit KV cache's kernels (int8 or fp8 codes, one fp32 scale per token and kv head):
 store_kv quantizes as `llmlab.kernels.reference` does, prefill and decode attention over
 codes + scales compute the reference's attention, and every 8-bit decode config of
-q8_configs agrees; the `gpu` group repeats them at Llama-3-8B shapes on a CUDA device.
+q8_configs agrees (and every prefill config of prefill_configs, over bf16 caches too); the
+`gpu` group repeats them at Llama-3-8B shapes on a CUDA device.
 
 Every slot no sequence owns has a NaN scale and a code store_kv never writes (SENTINEL),
 so a kernel that reads one returns NaN.
@@ -255,6 +256,35 @@ def test_gpu_quantized_decode_and_prefill_attention(cache_dtype, num_splits):
     expected = reference.prefill_attention(q, k_codes, v_codes, block_tables, cu_seqlens_q, lens, D ** -0.5,
                                            k_scales, v_scales)
     torch.testing.assert_close(actual, expected, **BF16_ATTENTION_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("cache_dtype", ["bf16", "int8", "fp8"])
+def test_gpu_prefill_attention_configs(cache_dtype):
+    """Every prefill config (prefill_configs.py) compiled: tiles, warps, stages and packed
+    heads the interpreter cannot check, bf16 queries at Llama-3-8B shapes, over a bf16 and
+    both 8-bit caches; lengths off every tile and block size, chunks after cached context."""
+    from llmlab.kernels.triton import prefill_attention as triton_prefill
+    from llmlab.kernels.triton.prefill_configs import PREFILL_CONFIGS
+
+    gen = torch.Generator().manual_seed(23)
+    seq_lens, query_lens = [1, 17, 300, 1000, 4100, 2100], [1, 17, 300, 129, 4100, 77]
+    if cache_dtype == "bf16":
+        caches = paged_kv(seq_lens, 16, HKV, D, torch.bfloat16, gen, dev="cuda")
+        scales = clean_scales = ()
+    else:
+        skip_unless_fp8_converts(cache_dtype)
+        k_codes, k_scales, v_codes, v_scales, tables, k_clean, v_clean = [
+            t.cuda() for t in quantized_paged_kv(seq_lens, 16, HKV, D, CACHE_DTYPES[cache_dtype], gen)]
+        caches, scales = (k_codes, v_codes, tables), (k_scales, v_scales)
+        clean_scales = (k_clean, v_clean)   # the reference reads whole blocks (quantized_paged_kv)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = randn_view(sum(query_lens), H, D, dtype=torch.bfloat16, gen=gen, dev="cuda")
+    expected = reference.prefill_attention(q, *caches, cu_seqlens_q, lens, D ** -0.5, *clean_scales)
+    for name in PREFILL_CONFIGS:
+        actual = triton_prefill.prefill_attention(q, *caches, cu_seqlens_q, lens, D ** -0.5, *scales, config=name)
+        torch.testing.assert_close(actual, expected, **BF16_ATTENTION_TOL, msg=name)
 
 
 @gpu

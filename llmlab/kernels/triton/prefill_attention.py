@@ -23,13 +23,13 @@ import torch
 
 from ..interpreter import enable_interpreter_if_no_cuda
 from ..reference import check_scales
+from .prefill_configs import FLOAT32_CONFIG, INTERPRETER_CONFIG, PrefillConfig, prefill_config
 
 # Triton decides when it is imported whether kernels run compiled or interpreted: on a
 # machine without CUDA, switch the interpreter on first (also when imported directly).
 enable_interpreter_if_no_cuda()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
@@ -100,26 +100,32 @@ def _prefill_attention_kernel(
     stride_table,
     num_seqs, num_queries_per_kv,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, HEADS: tl.constexpr,
 ):
+    # A program's BLOCK_M rows are BLOCK_M // HEADS tokens times HEADS query heads of one kv
+    # head (row r: token r // HEADS, head r % HEADS), so the heads that share a kv head share
+    # each key and value tile it loads (and dequantizes). HEADS = 1: one head a program.
+    TOKENS: tl.constexpr = BLOCK_M // HEADS
     # Number the tiles backwards: a sequence's last tiles see the most keys, and starting
     # them first keeps the longest programs out of the final wave (causal load balance).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    seq, m_block = _find_query_tile(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_M, BLOCK_S)
+    first_head = tl.program_id(1) * HEADS
+    seq, m_block = _find_query_tile(cu_seqlens_q_ptr, num_seqs, tile, TOKENS, BLOCK_S)
     if seq >= num_seqs:
         return  # the grid is an upper bound on the number of tiles
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     num_queries = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - num_queries  # tokens cached before this chunk
-    kv_head = head // num_queries_per_kv  # grouped-query attention
+    kv_head = first_head // num_queries_per_kv  # grouped-query attention
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m_block * TOKENS + offs_r // HEADS    # each row's query token within the chunk
+    heads = first_head + offs_r % HEADS
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < num_queries
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     query_pos = context_len + offs_m  # padding rows get positions >= seq_len: harmless, never stored
 
@@ -132,7 +138,7 @@ def _prefill_attention_kernel(
 
     # Keys below the first query's position are visible to every row of the tile and lie
     # inside the sequence: those whole tiles skip the mask.
-    first_pos = context_len + m_block * BLOCK_M
+    first_pos = context_len + m_block * TOKENS
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
     for start_n in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
@@ -142,7 +148,7 @@ def _prefill_attention_kernel(
             False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
     # Causal upper bound: the tile's last row sees keys up to its own position; tiles
     # beyond it would be fully masked and are skipped.
-    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    kv_end = tl.minimum(seq_len, first_pos + TOKENS)
     for start_n in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head,
@@ -151,25 +157,35 @@ def _prefill_attention_kernel(
             True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION, QUANTIZED)
 
     out = acc / l_i[:, None]  # every real row saw at least key 0, so l_i > 0
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _launch_config(head_dim, dtype, device):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this problem."""
-    if device.type != "cuda":
-        return 64, 32, 4, 1  # interpreter: few, large programs; a small BLOCK_N exercises multi-tile paths
-    if dtype == torch.float32:
-        return 64, 32, 4, 2  # fp32 tiles are twice the bytes: keep three of them within shared memory
-    # Tuned on an H200 (Llama-3-8B shapes, 4k causal): two warpgroups per 128-query tile,
-    # 128-key tiles, loads issued two tiles ahead.
-    return 128, 128, 8, 3
+def _heads_per_program(config: PrefillConfig, num_queries_per_kv: int) -> int:
+    """The query heads a program takes: all of a kv head's when the config packs them (a
+    power of two, at least 16 tokens a tile left), else one."""
+    group = num_queries_per_kv
+    pack = config.pack_gqa and group > 1 and group & (group - 1) == 0 and config.block_m // group >= 16
+    return group if pack else 1
+
+
+def _launch_config(dtype, device, config=None) -> PrefillConfig:
+    """The config a call runs: `config` (a PrefillConfig or a name), else the interpreter's,
+    float32's or the named default (knobs.prefill_config) for 16-bit queries on a GPU."""
+    if isinstance(config, PrefillConfig):
+        return config
+    if config is None and device.type != "cuda":
+        return INTERPRETER_CONFIG
+    if config is None and dtype == torch.float32:
+        return FLOAT32_CONFIG
+    return prefill_config(config)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                      k_scales=None, v_scales=None):
+                      k_scales=None, v_scales=None, config=None):
     """Causal attention of each sequence's new query tokens over its whole paged context,
-    from a full-precision or a quantized cache. See kernels_explained/prefill_attention.md."""
+    from a full-precision or a quantized cache. See kernels_explained/prefill_attention.md.
+    `config`: a launch variant (prefill_configs.py; a name or a PrefillConfig), else the default."""
     # q:            [num_tokens, num_heads, head_dim]   queries of all sequences, concatenated
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
@@ -202,10 +218,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     assert scale > 0, "the kernel takes the running max before scaling, which needs scale > 0"
-    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
-    # Sequence i has cdiv(query_len_i, BLOCK_M) query tiles, fewer than query_len_i / BLOCK_M + 1,
-    # so this bounds the total without reading the lengths on the host.
-    grid = (triton.cdiv(num_tokens, block_m) + num_seqs, num_heads)
+    launch = _launch_config(q.dtype, q.device, config)
+    block_m, block_n = launch.block_m, launch.block_n
+    heads = _heads_per_program(launch, num_heads // num_kv_heads)
+    # Sequence i has cdiv(query_len_i, T) query tiles of T = BLOCK_M / heads tokens, fewer
+    # than query_len_i / T + 1, so this bounds the total without reading the lengths on the host.
+    grid = (triton.cdiv(num_tokens, block_m // heads) + num_seqs, num_heads // heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, k_scales, v_scales,
         scale * math.log2(math.e),  # softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e)
@@ -218,6 +236,6 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_S=max(16, triton.next_power_of_2(num_seqs)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
-        QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages,
+        QUANTIZED=quantized, HEADS=heads, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

@@ -1,0 +1,54 @@
+"""The prefill-attention kernel's launch variants (tile shapes, warps, stages, and whether a
+program takes all query heads of a kv head), by name. `llmlab bench prefill-variants` times
+them all against the reference and the peers; `knobs.prefill_config`
+($LLMLAB_PREFILL_CONFIG; or `prefill_config(name)`) picks one; `prefill_attention.prefill_attention`
+runs it."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..tuning import knobs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """How the prefill kernel tiles queries and keys."""
+    block_m: int        # query rows per program
+    block_n: int        # keys per tile
+    num_warps: int
+    num_stages: int     # tiles of K/V in flight (Triton's software pipeline)
+    pack_gqa: bool = False   # a program's rows are the query heads of one kv head x block_m / group tokens,
+    #                          so those heads share every K/V tile it loads (and dequantizes); where the
+    #                          group is not a power of two or leaves under 16 tokens a tile: one head
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}" + ("-gqa" if self.pack_gqa else "")
+
+
+# Register use at head size 128, bf16 queries (ptxas -v for sm_90a, Triton 3.6): 128 x 128 tiles
+# with 8 warps fill the 255 registers a thread may have and, over an 8-bit cache, spill 300
+# bytes; 128 x 64 tiles need 183 (bf16) and 255 without spilling (8-bit). Not listed, as they
+# spill: 64 x 128 tiles with 4 warps (180 bytes in bf16), and 256-row tiles with 16 warps,
+# which cap a thread at 128 registers (kilobytes).
+_VARIANTS = [
+    PrefillConfig(128, 128, 8, 3),    # the default
+    PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4),
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(128, 128, 8, 3, True), PrefillConfig(128, 64, 8, 3, True), PrefillConfig(64, 64, 4, 3, True),
+]
+PREFILL_CONFIGS = {config.name: config for config in _VARIANTS}
+# Tuned on an H200 (Llama-3-8B shapes, bf16 cache, 4k causal): two warpgroups per 128-query
+# tile, 128-key tiles, loads issued two tiles ahead. The 8-bit caches run it too until
+# `bench prefill-variants` has measured them.
+DEFAULT_PREFILL_CONFIG = "m128-n128-w8-s3"          # 16-bit queries on a GPU
+FLOAT32_CONFIG = PrefillConfig(64, 32, 4, 2)        # fp32 tiles are twice the bytes: three stay in shared memory
+INTERPRETER_CONFIG = PrefillConfig(64, 32, 4, 1)    # few, large programs; a small block_n exercises multi-tile paths
+
+
+def prefill_config(name: str | None = None) -> PrefillConfig:
+    """The named variant, else knobs.prefill_config ($LLMLAB_PREFILL_CONFIG), else the default."""
+    name = name or knobs.prefill_config or DEFAULT_PREFILL_CONFIG
+    if name not in PREFILL_CONFIGS:
+        raise ValueError(f"unknown prefill-attention config {name!r}; known: {sorted(PREFILL_CONFIGS)}")
+    return PREFILL_CONFIGS[name]
