@@ -68,9 +68,9 @@ def step_record(step: int, plan, scheduler, advanced, *, blocks: bool = True, fr
     is done: `advanced` are the requests that got a token (StepOutcome.advanced; those done
     are finished by now), and `scheduler` (its queues and its block manager) is in its state
     after the step. The engine and the simulator both build their records here.
-    `blocks=False` leaves out which blocks (allocated, freed, the block tables, shared and
-    cached blocks) and the prefix hits, keeping the block counts: the simulator's traces hold
-    the schedule only, small for long workloads."""
+    `blocks=False` leaves out which blocks (allocated, freed, the block tables but those of
+    requests swapped in or out, shared and cached blocks) and the prefix hits, keeping the
+    block counts: the simulator's traces hold the schedule only, small for long workloads."""
     bm = scheduler.blocks
     record = StepRecord(
         step=step, overlapped=overlapped,
@@ -83,7 +83,12 @@ def step_record(step: int, plan, scheduler, advanced, *, blocks: bool = True, fr
         free_host_blocks=bm.num_free_host_blocks, total_host_blocks=bm.num_host_blocks,
         token_budget=scheduler.token_budget, timings=timings if timings is not None else {},
         kernel_timings=dict(kernel_timings), time=time)
-    if blocks:
+    if not blocks:   # the tables of requests swapped in or out only: what a step copied (as Trace.without_blocks)
+        swapped_in = set(plan.swapped_in)
+        record.block_tables = {r.request_id: list(r.block_table) for r in scheduler.running
+                               if r.request_id in swapped_in}
+        record.host_block_tables = {k: list(bm.host_tables[k]) for k in plan.swapped_out if k in bm.host_tables}
+    else:
         record.allocated_blocks = {k: list(v) for k, v in plan.allocated_blocks.items()}
         record.freed_blocks = list(freed_blocks)
         record.prefix_hit_tokens = dict(plan.prefix_hit_tokens)
@@ -123,6 +128,13 @@ class HookBus:
     @property
     def active(self) -> bool:
         return bool(self.hooks)
+
+    @property
+    def blocks(self) -> bool:
+        """Whether step records carry their blocks (allocated, freed, shared and cached blocks,
+        the block tables): some hook wants them. Building them costs a step milliseconds over
+        thousands of blocks, so a hook that reads none says so with `hook.blocks = False`."""
+        return any(getattr(hook, "blocks", True) for hook in self.hooks)
 
     def emit(self, event) -> None:
         for hook in self.hooks:
@@ -173,9 +185,11 @@ class Trace:
 
 
 class Recorder:
-    """A hook that keeps every event in `self.trace`."""
+    """A hook that keeps every event in `self.trace`; with `blocks=False` its step records
+    leave out which blocks (as Trace.without_blocks does) and cost the engine less to build."""
 
-    def __init__(self, **meta):
+    def __init__(self, blocks: bool = True, **meta):
+        self.blocks = blocks
         self.trace = Trace(meta=meta)
 
     def __call__(self, event) -> None:

@@ -15,7 +15,10 @@ same token ids and output lengths, so the two commands give the server / offline
 
 On an H200 (or with --roofline TB_S,TFLOP_S) it also prints the bound: the same requests
 simulated through the engine's scheduler with every step at max(bytes / bandwidth, FLOPs /
-peak) (experiments/roofline.py), and each run's share of it."""
+peak) (experiments/roofline.py), and each run's share of it. --profile-steps then runs the
+first setting once more with a hook attached (steps one at a time, each phase synchronised)
+and prints where its steps lose time against that bound, by kind and size of step
+(experiments/step_profile.py); the first result's JSON holds it as "step_profile"."""
 from __future__ import annotations
 
 import time
@@ -73,6 +76,10 @@ def add_arguments(parser) -> None:
                         help="the per-step bound to compare with: the same requests simulated through the engine's "
                              "scheduler, each step at max(bytes / TB_S, FLOPs / TFLOP_S) (experiments/roofline.py); "
                              "default on an H200 its measured 4.27,790, elsewhere none")
+    parser.add_argument("--profile-steps", action="store_true",
+                        help="after the timed runs, run the first setting again step by step and print, by kind and "
+                             "size of step, wall / forward / sample / host time against the bound (needs one: an "
+                             "H200 or --roofline)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     # engine flags from EngineConfig (a bigger batch than the engine's default); --seed above is the sampler's
     add_engine_arguments(parser, defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
@@ -197,6 +204,29 @@ def run_llmlab(llm, workload, setting: dict) -> dict:
             "requests_per_s": len(workload) / elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
+def profile_run(llm, workload, setting: dict, roofline) -> list[dict]:
+    """Run `workload` once more with a hook recording each step (no blocks), and return and
+    print experiments.step_profile's rows against `roofline`."""
+    from llmlab import SamplingParams
+    from llmlab.experiments.step_profile import format_profile, profile_steps
+    from llmlab.hooks import Recorder
+
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **setting) for r in workload]
+    llm.engine.block_manager.reset_prefix_cache()
+    recorder = Recorder(blocks=False, idle_before_steps=[])   # every request arrives at once: never idle
+    llm.engine.hooks.attach(recorder)
+    try:
+        start = time.perf_counter()
+        llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.engine.hooks.detach(recorder)
+    rows = profile_steps(recorder.trace, roofline)
+    print(f"\nsteps of the first setting, one at a time ({elapsed:.2f} s in all), against the bound:\n"
+          f"{format_profile(rows)}")
+    return rows
+
+
 def hf_model(args, dtype, device):
     """The HF transformers peer: the same folder, or random weights in the same shape."""
     from transformers import AutoModelForCausalLM
@@ -257,11 +287,16 @@ def main(args) -> list[dict]:
         roofline = roofline_of(args, engine)
         if roofline is not None and limit is None:
             limit = (bound(engine, workload, roofline), roofline.meta["roofline"])
+        if args.profile_steps and roofline is None:
+            raise ValueError("--profile-steps compares each step with the bound: pass --roofline TB_S,TFLOP_S "
+                             "(on an H200 it is the default)")
         overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
             for overlap in overlaps:
                 engine.async_scheduling = overlap   # read every step, so it may change between runs
                 results.append(run_llmlab(llm, workload, setting))
+        if args.profile_steps and "step_profile" not in results[0]:
+            results[0]["step_profile"] = profile_run(llm, workload, settings[0], roofline)
         del llm, engine
         gc.collect()
         if meta[1] == "cuda":

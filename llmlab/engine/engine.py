@@ -211,7 +211,7 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced, freed_blocks=freed,
                                         timings=step.timings, kernel_timings=step.kernel_timings,
-                                        time=time.perf_counter(), overlapped=step.overlapped))
+                                        blocks=self.hooks.blocks, time=time.perf_counter(), overlapped=step.overlapped))
         return self.output.outputs(outcome.advanced)
 
     def _lap(self, clock):

@@ -16,7 +16,8 @@ reads dense_profile.py's table of matrix-product times by rows), result.py holds
 per-request metrics and summaries, figures.py draws them (plotly is imported only there);
 repeats.py repeats an experiment (means, t intervals), fitted_range.py says where a cost
 model extrapolates, max_rate.py finds the highest rate that meets an SLO, roofline.py is the
-cost model of a machine's ceilings (each step at max(bytes / bandwidth, FLOPs / peak)).
+cost model of a machine's ceilings (each step at max(bytes / bandwidth, FLOPs / peak)),
+step_profile.py says which kinds of step lose a run's time against a cost model.
 The scheduling policies, by name, are in llmlab/policies.py (POLICIES, resolve_policy).
 """
 from llmlab.experiments.cost_model import FEATURES, CostModel, step_features
@@ -28,6 +29,7 @@ from llmlab.experiments.result import RequestMetrics, Result, StepStats
 from llmlab.experiments.roofline import Roofline
 from llmlab.experiments.run import engine_meta, run
 from llmlab.experiments.simulate import simulate
+from llmlab.experiments.step_profile import format_profile, profile_steps
 from llmlab.experiments.workload import Workload, WorkloadRequest, read_lengths
 from llmlab.policies import POLICIES, resolve_policy
 
@@ -46,5 +48,6 @@ def __getattr__(name):   # figures need plotly, which a GPU box may not have: im
 
 __all__ = ["FEATURES", "POLICIES", "CostModel", "DenseProfile", "ExtrapolationWarning", "Interval", "RateSearch",
            "Repeats", "RequestMetrics", "Result", "Roofline", "StepStats", "max_rate",
-           "Workload", "WorkloadRequest", "engine_meta", "read_lengths", "resolve_policy", "run", "simulate", "step_features",
+           "Workload", "WorkloadRequest", "engine_meta", "format_profile", "profile_steps", "read_lengths", "resolve_policy",
+           "run", "simulate", "step_features",
            *FIGURES]

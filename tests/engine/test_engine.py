@@ -64,6 +64,32 @@ def test_preemption_keeps_greedy_output(llm, reference_tokens, mode):
     assert_all_blocks_free(engine)
 
 
+def test_a_recorder_without_blocks_keeps_what_swaps_copied(llm):
+    """Recorder(blocks=False) (bench offline --profile-steps: building block tables costs a
+    step milliseconds) records the same schedule with no blocks but the tables of requests
+    swapped in or out, as Trace.without_blocks keeps them: cost models count the same swaps."""
+    from llmlab.experiments.cost_model import swapped_blocks
+
+    traces = []
+    for blocks in (True, False):
+        engine = make_engine(llm, num_gpu_blocks=12, block_size=4, preemption_mode="swap", swap_space=0.01,
+                             max_num_batched_tokens=64)
+        recorder = llmlab.Recorder(blocks=blocks)
+        engine.hooks.attach(recorder)
+        assert engine.hooks.blocks == blocks
+        helpers.engine.run_all(engine, PROMPTS, GREEDY)
+        engine.hooks.detach(recorder)
+        traces.append(recorder.trace)
+    full, light = traces[0].without_blocks(), traces[1]
+    assert any(s.swapped_out for s in light.steps) and any(s.swapped_in for s in light.steps)
+    assert [s.scheduled for s in light.steps] == [s.scheduled for s in full.steps]
+    assert [swapped_blocks(s) for s in light.steps] == [swapped_blocks(s) for s in full.steps]
+    assert [(s.block_tables, s.host_block_tables) for s in light.steps] == [
+        (s.block_tables, s.host_block_tables) for s in full.steps]
+    assert not any(s.allocated_blocks or s.cached_blocks for s in light.steps)
+    assert any(s.allocated_blocks for s in traces[0].steps)
+
+
 def test_prefix_caching_reuses_blocks(llm, reference_tokens):
     engine = make_engine(llm, num_gpu_blocks=256, enable_prefix_caching=True, block_size=4)
     first = run_all(engine, PROMPTS[3:])
