@@ -10,6 +10,10 @@ A shape is SEQSxQUERIESxCONTEXT: SEQS sequences, each QUERIES new tokens attendi
 over CONTEXT cached tokens (its own included): 1x4096x4096 is a whole 4k prompt, 1x512x4096
 a 512-token chunk of a prompt after 3,584 tokens (chunked prefill, a prefix-cache hit).
 
+Configs ending in `-dq` dequantize an 8-bit cache's blocks into a 16-bit scratch first (the
+scratch's pass included in their time); over the 16-bit cache they are their base config and
+are not repeated.
+
 Each row: ms (CUDA-graph replay on a GPU; wall time of an interpreted call on a CPU), TFLOP/s
 (4 x heads x head_dim per query-key pair the causal mask keeps), the speed-up over the
 default config on the 16-bit cache (`vs_default`, the kernel as shipped), and the largest
@@ -134,8 +138,9 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
         default_ms = measure(dict(variant="default", cache=full, **base), calls(caches, None), kv_bytes, expected,
                              flops)
         for config in names:
-            measure(dict(variant=config, cache=full, **base), calls(caches, config), kv_bytes, expected, flops,
-                    default_ms)
+            if not PREFILL_CONFIGS[config].dequant_first:   # over a 16-bit cache, the same as without
+                measure(dict(variant=config, cache=full, **base), calls(caches, config), kv_bytes, expected, flops,
+                        default_ms)
         if on_gpu and seqs == 1 and queries == context:
             _sdpa_peers(measure, base, q, caches[0], seq_lens, block_size, num_heads, kv_bytes, flops, default_ms, full)
         del expected

@@ -89,6 +89,44 @@ def test_quantized_prefill_attention(backend, cache_dtype, dtype, num_heads, num
     torch.testing.assert_close(actual, expected, **quant_tolerance(dtype))
 
 
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 3), (8, 2)], ids=["gqa2", "gqa4"])
+@pytest.mark.parametrize("lengths", ["ragged", "chunked"])
+def test_dequantize_first_is_the_16bit_kernel_over_the_dequantized_cache(cache_dtype, num_heads, num_kv_heads,
+                                                                         lengths):
+    """A `-dq` prefill config over an 8-bit cache dequantizes the sequences' blocks into a
+    scratch cache, then runs the 16-bit kernel: bit for bit what that kernel computes over
+    codes x scales in float32 (unowned slots have NaN scales: any read of one shows). Past the
+    scratch limit it converts in the kernel, as the other configs do."""
+    from llmlab.kernels.triton import prefill_attention as triton_prefill
+    from llmlab.kernels.triton.prefill_configs import PrefillConfig
+
+    seq_lens, query_lens = prefill_lengths(lengths, 16)
+    gen = torch.Generator().manual_seed(18)
+    k_codes, k_scales, v_codes, v_scales, block_tables, k_clean, v_clean = quantized_paged_kv(
+        seq_lens, 16, num_kv_heads, 64, CACHE_DTYPES[cache_dtype], gen)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    q = randn_view(sum(query_lens), num_heads, 64, dtype=torch.float32, gen=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    first, plain = PrefillConfig(64, 32, 4, 1, dequant_first=True), PrefillConfig(64, 32, 4, 1)
+    actual = triton_prefill.prefill_attention(q, k_codes, v_codes, block_tables, cu_seqlens_q, lens, 0.125,
+                                              k_scales, v_scales, config=first)
+    k_full, v_full = reference.dequantize(k_codes, k_scales), reference.dequantize(v_codes, v_scales)
+    expected = triton_prefill.prefill_attention(q, k_full, v_full, block_tables, cu_seqlens_q, lens, 0.125,
+                                                config=plain)
+    assert torch.equal(actual, expected)
+    reference_out = reference.prefill_attention(q, k_codes, v_codes, block_tables, cu_seqlens_q, lens, 0.125,
+                                                k_clean, v_clean)
+    torch.testing.assert_close(actual, reference_out, **QUANT_FP32_TOL)
+    limit, triton_prefill.DEQUANT_SCRATCH_MAX_BYTES = triton_prefill.DEQUANT_SCRATCH_MAX_BYTES, 0
+    try:   # no scratch: the codes converted in the kernel
+        fallback = triton_prefill.prefill_attention(q, k_codes, v_codes, block_tables, cu_seqlens_q, lens, 0.125,
+                                                    k_scales, v_scales, config=first)
+    finally:
+        triton_prefill.DEQUANT_SCRATCH_MAX_BYTES = limit
+    torch.testing.assert_close(fallback, reference_out, **QUANT_FP32_TOL)
+
+
 @QUANT_BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 1)], ids=["gqa3", "gqa8"])

@@ -14,6 +14,11 @@ cu_seqlens_q on the GPU, so a launch never waits for the host to read the query 
 A quantized cache (int8 or fp8 codes, a float32 scale per token per kv head) is
 dequantized in registers as in decode: codes convert exactly to the query's dtype, key
 scales multiply the score columns, value scales the probabilities' columns before P @ V.
+
+The launch variants (prefill_configs.py) also choose tile sizes, whether a program takes all
+query heads of a kv head (HEADS > 1: rows are tokens x heads), and whether an 8-bit cache's
+blocks are first dequantized into a 16-bit scratch cache (_dequantize_into_scratch), after
+which the plain kernel runs.
 """
 from __future__ import annotations
 
@@ -161,6 +166,60 @@ def _prefill_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _dequantize_blocks_kernel(k_codes_ptr, v_codes_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, seq_lens_ptr,
+                              cu_seqlens_q_ptr, k_out_ptr, v_out_ptr,
+                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+                              stride_table, stride_ob, stride_os, stride_oh,
+                              BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (i, j, h): kv head h of block j of sequence i's table, dequantized (codes x
+    scales, rounded to the output's dtype) into scratch block i * width + j. Blocks past the
+    sequence's end, and sequences with no queries, are skipped: attention never reads them."""
+    seq, j, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_queries = tl.load(cu_seqlens_q_ptr + seq + 1) - tl.load(cu_seqlens_q_ptr + seq)
+    if j * BLOCK_SIZE >= seq_len or num_queries == 0:
+        return
+    block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_table + j).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    scale_offs = block * stride_sb + offs_s * stride_ss + kv_head
+    k = tl.load(k_codes_ptr + block * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :])
+    v = tl.load(v_codes_ptr + block * stride_vb + offs_s[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :])
+    k = k.to(tl.float32) * tl.load(k_scales_ptr + scale_offs)[:, None]
+    v = v.to(tl.float32) * tl.load(v_scales_ptr + scale_offs)[:, None]
+    out_offs = ((seq.to(tl.int64) * tl.num_programs(1) + j) * stride_ob + offs_s[:, None] * stride_os
+                + kv_head * stride_oh + offs_d[None, :])
+    tl.store(k_out_ptr + out_offs, k.to(k_out_ptr.dtype.element_ty))
+    tl.store(v_out_ptr + out_offs, v.to(v_out_ptr.dtype.element_ty))
+
+
+# The largest scratch (K and V) a dequantize-first call allocates; past it the call converts
+# in the kernel instead. The scratch holds every table entry of every sequence (num_seqs x
+# table width blocks: shapes, so that a launch never waits for the host to read lengths),
+# and lives for the call (the caching allocator hands it to the next layer's call).
+DEQUANT_SCRATCH_MAX_BYTES = 512 << 20
+
+
+def _dequantize_into_scratch(k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, cu_seqlens_q, dtype):
+    """(k, v, block tables) of a `dtype` scratch cache holding the blocks of `block_tables`
+    that the sequences use, dequantized; None when the scratch would pass the limit."""
+    num_seqs, width = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    shape = (num_seqs * width, block_size, num_kv_heads, head_dim)
+    if 2 * math.prod(shape) * dtype.itemsize > DEQUANT_SCRATCH_MAX_BYTES or width == 0:
+        return None
+    k_out = torch.empty(shape, dtype=dtype, device=k_cache.device)
+    v_out = torch.empty_like(k_out)
+    _dequantize_blocks_kernel[(num_seqs, width, num_kv_heads)](
+        k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, cu_seqlens_q, k_out, v_out,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), k_scales.stride(0), k_scales.stride(1), block_tables.stride(0),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2), BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+    tables = torch.arange(num_seqs * width, dtype=torch.int32, device=k_cache.device).view(num_seqs, width)
+    return k_out, v_out, tables
+
+
 def _heads_per_program(config: PrefillConfig, num_queries_per_kv: int) -> int:
     """The query heads a program takes: all of a kv head's when the config packs them (a
     power of two, at least 16 tokens a tile left), else one."""
@@ -220,6 +279,13 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     assert scale > 0, "the kernel takes the running max before scaling, which needs scale > 0"
     launch = _launch_config(q.dtype, q.device, config)
     block_m, block_n = launch.block_m, launch.block_n
+    # Not while a CUDA graph captures: the graph would keep a scratch sized by its padded tables.
+    if quantized and launch.dequant_first and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        scratch = _dequantize_into_scratch(k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,
+                                           cu_seqlens_q, q.dtype)
+        if scratch is not None:   # from here on a 16-bit cache
+            (k_cache, v_cache, block_tables), quantized = scratch, False
+            k_scales = v_scales = k_cache
     heads = _heads_per_program(launch, num_heads // num_kv_heads)
     # Sequence i has cdiv(query_len_i, T) query tiles of T = BLOCK_M / heads tokens, fewer
     # than query_len_i / T + 1, so this bounds the total without reading the lengths on the host.

@@ -20,10 +20,13 @@ class PrefillConfig:
     pack_gqa: bool = False   # a program's rows are the query heads of one kv head x block_m / group tokens,
     #                          so those heads share every K/V tile it loads (and dequantizes); where the
     #                          group is not a power of two or leaves under 16 tokens a tile: one head
+    dequant_first: bool = False   # over an 8-bit cache: dequantize the sequences' blocks once into a
+    #                               16-bit scratch cache, then run the 16-bit kernel (16-bit caches: no change)
 
     @property
     def name(self) -> str:
-        return f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}" + ("-gqa" if self.pack_gqa else "")
+        return (f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+                + ("-gqa" if self.pack_gqa else "") + ("-dq" if self.dequant_first else ""))
 
 
 # Register use at head size 128, bf16 queries (ptxas -v for sm_90a, Triton 3.6): 128 x 128 tiles
@@ -36,6 +39,11 @@ _VARIANTS = [
     PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4),
     PrefillConfig(64, 64, 4, 3),
     PrefillConfig(128, 128, 8, 3, True), PrefillConfig(128, 64, 8, 3, True), PrefillConfig(64, 64, 4, 3, True),
+    # Dequantizing in the kernel repeats the work: every (query head, query tile) program converts
+    # each K/V tile it reads, so a 4k prompt converts 32 heads x 528 (query, key) tile pairs =
+    # 16,896 tiles of the 8 kv heads x 32 = 256 there are, each 66 times. Once, into a scratch
+    # cache, is one pass over the context's codes.
+    PrefillConfig(128, 128, 8, 3, dequant_first=True), PrefillConfig(128, 64, 8, 3, dequant_first=True),
 ]
 PREFILL_CONFIGS = {config.name: config for config in _VARIANTS}
 # Tuned on an H200 (Llama-3-8B shapes, bf16 cache, 4k causal): two warpgroups per 128-query
