@@ -2,7 +2,7 @@
 adds up, and what the model predicts.
 
 q1 is computed from the model's config. q2-q4 are facts of the embedded model's forward pass,
-measured once and kept here (tests/teach/test_tokens_to_logits.py measures them again with the
+measured once and kept here (tests/teach/test_model_facts.py measures them again with the
 model; each is far from a tie, so rounding on another CPU cannot flip it).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`llmlab bench guidellm`: GuideLLM's points read as the loads `bench serving` runs beside
 them, and `bench serving`'s prompts of the fixed lengths GuideLLM's synthetic data has. (The
-commands themselves, against a live server: tests/server/test_bench_clients_live.py.)"""
+commands themselves, against a live server: tests/server/test_real_clients.py.)"""
 import argparse
 import json
 import math

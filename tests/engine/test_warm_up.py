@@ -2,7 +2,7 @@
 with the Triton backend it captures the decode graphs (the ladder, then every graph_keys
 key) and the prompt graphs, then runs the kernel-variant batches, then warms the sampler, in that order; on a
 CPU it does nothing. A recording stand-in for the runner and sampler shows the order
-without a GPU (tests/test_gpu.py and test_overlap.py check the real thing on one)."""
+without a GPU (tests/engine/test_gpu.py and test_overlap.py check the real thing on one)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
