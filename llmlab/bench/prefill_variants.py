@@ -11,8 +11,8 @@ over CONTEXT cached tokens (its own included): 1x4096x4096 is a whole 4k prompt,
 a 512-token chunk of a prompt after 3,584 tokens (chunked prefill, a prefix-cache hit).
 
 Configs ending in `-dq` dequantize an 8-bit cache's blocks into a 16-bit scratch first (the
-scratch's pass included in their time); over the 16-bit cache they are their base config and
-are not repeated.
+scratch's pass included in their time, in the timed graph too: `scratch_in_graphs`); over the
+16-bit cache they are their base config and are not repeated.
 
 Each row: ms (CUDA-graph replay on a GPU; wall time of an interpreted call on a CPU), TFLOP/s
 (4 x heads x head_dim per query-key pair the causal mask keeps), the speed-up over the
@@ -131,7 +131,8 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
             def make_call(i):
                 k, v, t, *s = sets[i % num_sets]
                 return lambda: triton_prefill.prefill_attention(q, k, v, t, cu_seqlens_q, seq_lens, scale,
-                                                                *(s if scales else ()), config=config)
+                                                                *(s if scales else ()), config=config,
+                                                                scratch_in_graphs=True)
             return make_call
 
         expected = reference.prefill_attention(q, *caches[0], cu_seqlens_q, seq_lens, scale).float()

@@ -241,10 +241,12 @@ def _launch_config(dtype, device, config=None) -> PrefillConfig:
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                      k_scales=None, v_scales=None, config=None):
+                      k_scales=None, v_scales=None, config=None, scratch_in_graphs=False):
     """Causal attention of each sequence's new query tokens over its whole paged context,
     from a full-precision or a quantized cache. See kernels_explained/prefill_attention.md.
-    `config`: a launch variant (prefill_configs.py; a name or a PrefillConfig), else the default."""
+    `config`: a launch variant (prefill_configs.py; a name or a PrefillConfig), else the default.
+    A dequantize-first config makes no scratch while a CUDA graph captures (the graph would keep
+    it, sized by padded tables) unless `scratch_in_graphs` (a benchmark timing graph replays)."""
     # q:            [num_tokens, num_heads, head_dim]   queries of all sequences, concatenated
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
@@ -279,8 +281,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     assert scale > 0, "the kernel takes the running max before scaling, which needs scale > 0"
     launch = _launch_config(q.dtype, q.device, config)
     block_m, block_n = launch.block_m, launch.block_n
-    # Not while a CUDA graph captures: the graph would keep a scratch sized by its padded tables.
-    if quantized and launch.dequant_first and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if quantized and launch.dequant_first and (scratch_in_graphs or not capturing):
         scratch = _dequantize_into_scratch(k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,
                                            cu_seqlens_q, q.dtype)
         if scratch is not None:   # from here on a 16-bit cache
