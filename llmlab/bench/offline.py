@@ -166,11 +166,21 @@ def roofline_of(args, engine):
     from llmlab.experiments.roofline import Roofline
 
     if args.roofline is not None:
-        tb_s, tflop_s = (float(x) for x in args.roofline.split(","))
-        return Roofline.of_engine(engine, tb_s, tflop_s)
+        return Roofline.of_engine(engine, *ceilings(args.roofline))
     if engine.device.type == "cuda" and "H200" in machine_name(engine.device):
         return Roofline.of_engine(engine)
     return None
+
+
+def ceilings(text: str) -> tuple[float, float]:
+    """--roofline's TB_S,TFLOP_S: two positive numbers."""
+    try:
+        tb_s, tflop_s = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--roofline TB_S,TFLOP_S: two numbers, e.g. 4.27,790; got {text!r}") from None
+    if not (tb_s > 0 and tflop_s > 0):
+        raise ValueError(f"--roofline TB_S,TFLOP_S: both positive, got {text!r}")
+    return tb_s, tflop_s
 
 
 def bound(engine, workload, roofline) -> float:
@@ -205,10 +215,10 @@ def run_llmlab(llm, workload, setting: dict) -> dict:
 
 
 def profile_run(llm, workload, setting: dict, roofline) -> list[dict]:
-    """Run `workload` once more with a hook recording each step (no blocks), and return and
-    print experiments.step_profile's rows against `roofline`."""
+    """Run `workload` once more with a hook recording each step (no blocks) and return
+    experiments.step_profile's rows against `roofline` (the last, "all", with the run's seconds)."""
     from llmlab import SamplingParams
-    from llmlab.experiments.step_profile import format_profile, profile_steps
+    from llmlab.experiments.step_profile import profile_steps
     from llmlab.hooks import Recorder
 
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **setting) for r in workload]
@@ -222,8 +232,7 @@ def profile_run(llm, workload, setting: dict, roofline) -> list[dict]:
     finally:
         llm.engine.hooks.detach(recorder)
     rows = profile_steps(recorder.trace, roofline)
-    print(f"\nsteps of the first setting, one at a time ({elapsed:.2f} s in all), against the bound:\n"
-          f"{format_profile(rows)}")
+    rows[-1]["run_seconds"] = elapsed
     return rows
 
 
@@ -274,29 +283,33 @@ def main(args) -> list[dict]:
 
     import torch
 
+    from llmlab.experiments.step_profile import format_profile
+
     settings = sampling_settings(args)
+    if args.roofline is not None:
+        ceilings(args.roofline)   # a malformed value fails before the model loads
     caching = [False, True] if args.compare_prefix_caching else [None]   # None: the flags' choice
-    results, vocab, meta, limit = [], None, None, None
+    results, vocab, meta, limit, profile = [], None, None, None, None
     for enable in caching:
         llm = build_llm(args, **({} if enable is None else {"enable_prefix_caching": enable}))
         engine = llm.engine
         meta = engine.dtype, engine.device.type, engine.backend
         vocab = engine.model_config.vocab_size
         workload = serving_workload(args, engine) if args.dataset == "serving-synthetic" else build_workload(args, vocab)
-        warm_up(llm, workload, settings[0], full=args.warmup == "full")
         roofline = roofline_of(args, engine)
-        if roofline is not None and limit is None:
-            limit = (bound(engine, workload, roofline), roofline.meta["roofline"])
-        if args.profile_steps and roofline is None:
+        if args.profile_steps and roofline is None:   # before the warm-up runs the workload
             raise ValueError("--profile-steps compares each step with the bound: pass --roofline TB_S,TFLOP_S "
                              "(on an H200 it is the default)")
+        warm_up(llm, workload, settings[0], full=args.warmup == "full")
+        if roofline is not None and limit is None:
+            limit = (bound(engine, workload, roofline), roofline.meta["roofline"])
         overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
             for overlap in overlaps:
                 engine.async_scheduling = overlap   # read every step, so it may change between runs
                 results.append(run_llmlab(llm, workload, setting))
-        if args.profile_steps and "step_profile" not in results[0]:
-            results[0]["step_profile"] = profile_run(llm, workload, settings[0], roofline)
+        if args.profile_steps and profile is None:
+            profile = results[0]["step_profile"] = profile_run(llm, workload, settings[0], roofline)
         del llm, engine
         gc.collect()
         if meta[1] == "cuda":
@@ -327,5 +340,11 @@ def main(args) -> list[dict]:
         print(f"bound: {tok_s:.1f} output tok/s (these requests through the engine's scheduler, each step at max(bytes "
               f"/ {peaks['tb_s']:g} TB/s, FLOPs / {peaks['tflop_s']:g} TFLOP/s)); the first row at "
               f"{first / tok_s:.1%} of it")
+    if profile is not None:
+        first = results[0]
+        print(f"\nwhere the first row's steps lose time ({first['sampling']}, prefix caching "
+              f"{'on' if first['prefix_caching'] else 'off'}): the same requests again, one step at a time with each "
+              f"phase synchronised (so slower than the timed run, host work included), each step against the bound "
+              f"of its own shape (the line above simulates the whole workload):\n{format_profile(profile)}")
     write_json(args.out, results, indent=2)
     return results

@@ -16,7 +16,10 @@ scratch's pass included in their time, in the timed graph too: `scratch_in_graph
 
 Each row: ms (CUDA-graph replay on a GPU; wall time of an interpreted call on a CPU), TFLOP/s
 (4 x heads x head_dim per query-key pair the causal mask keeps), the speed-up over the
-default config on the 16-bit cache (`vs_default`, the kernel as shipped), and the largest
+default config on the 16-bit cache (`vs_default`: the kernel as the engine runs it, named in
+its row: on a GPU DEFAULT_PREFILL_CONFIG or $LLMLAB_PREFILL_CONFIG, in the interpreter its own
+small tiles), the query heads a program takes (`heads_per_program`: a `-gqa` config whose
+group does not pack runs one), and the largest
 difference from `reference.prefill_attention` (`ok`). Whole prompts on one sequence also
 get SDPA's flash and cuDNN kernels as same-run peers (contiguous K/V, not paged). The
 summary's fastest correct row per cache and shape also has `vs_best_16bit`, against the
@@ -68,7 +71,9 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
     from llmlab.kernels.triton import prefill_attention as triton_prefill
     from llmlab.kernels.triton.prefill_configs import PREFILL_CONFIGS
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     check_device(str(device), device)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float16   # the interpreter has no bf16
@@ -81,8 +86,11 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
     unknown = [name for name in names if name not in PREFILL_CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; known: {sorted(PREFILL_CONFIGS)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"--num-heads {num_heads} is not a multiple of --num-kv-heads {num_kv_heads}")
+    if not (num_heads >= 1 and num_kv_heads >= 1) or num_heads % num_kv_heads:
+        raise ValueError(f"--num-heads {num_heads} must be a positive multiple of --num-kv-heads {num_kv_heads}")
+    for flag, value, least in (("--head-dim", head_dim, 16), ("--block-size", block_size, 1)):
+        if value < least or value & (value - 1):
+            raise ValueError(f"{flag} {value}: the kernel takes a power of two >= {least}")
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     software = versions()
@@ -95,6 +103,10 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
 
     def measure(row, make_call, num_bytes, expected, flops, baseline_ms=None):
         """Fill row with the timing and the error against `expected`, or the error message."""
+        name = row["variant"]
+        if not row.get("peer"):
+            launch = PREFILL_CONFIGS[name] if name in PREFILL_CONFIGS else triton_prefill._launch_config(dtype, device)
+            row["heads_per_program"] = triton_prefill._heads_per_program(launch, num_heads // num_kv_heads)
         try:
             out = make_call(0)()
             if expected is not None:
@@ -136,7 +148,8 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
             return make_call
 
         expected = reference.prefill_attention(q, *caches[0], cu_seqlens_q, seq_lens, scale).float()
-        default_ms = measure(dict(variant="default", cache=full, **base), calls(caches, None), kv_bytes, expected,
+        default_name = f"default ({triton_prefill._launch_config(dtype, device).name})"   # on a CPU the interpreter's
+        default_ms = measure(dict(variant=default_name, cache=full, **base), calls(caches, None), kv_bytes, expected,
                              flops)
         for config in names:
             if not PREFILL_CONFIGS[config].dequant_first:   # over a 16-bit cache, the same as without
@@ -151,10 +164,9 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
             expected = reference.prefill_attention(q, k_codes, v_codes, tables, cu_seqlens_q, seq_lens, scale,
                                                    k_scales, v_scales).float()
             q_bytes = kv_bytes // dtype.itemsize * (1 + 4 / head_dim)   # codes and a float32 scale per row
-            for config in ["default"] + names:
-                measure(dict(variant=config, cache=cache_name, **base),
-                        calls(quantized, None if config == "default" else config, scales=True), q_bytes, expected,
-                        flops, default_ms)
+            for config in [None] + names:
+                measure(dict(variant=config or default_name, cache=cache_name, **base),
+                        calls(quantized, config, scales=True), q_bytes, expected, flops, default_ms)
             del quantized, expected
         del caches
         if on_gpu:
@@ -214,7 +226,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--device", default=None, help="cuda, cpu or auto (default: cuda when there is one)")
 
 
 def main(args) -> dict:

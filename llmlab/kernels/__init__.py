@@ -33,6 +33,7 @@ import torch
 from . import reference, torch_backend
 from .interpreter import enable_interpreter_if_no_cuda  # noqa: F401  (public: kernels.enable_interpreter_if_no_cuda)
 from .tuning import knobs  # noqa: F401  (the fast path's switches, one table: tuning.py)
+from .triton import prefill_configs, q8_configs  # noqa: F401,E402  (they check their knob's name now)
 
 enable_interpreter_if_no_cuda()   # now, before anything else imports Triton (transformers does)
 

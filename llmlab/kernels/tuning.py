@@ -82,4 +82,14 @@ class Knobs:
         return cls(**values)
 
 
+def check_variant(field: str, value: str | None, catalogue: dict) -> None:
+    """`value` (a knob's, e.g. from the environment) names one of `catalogue`'s variants, or
+    is None. The catalogues (q8_configs.py, prefill_configs.py) check their knob so when
+    imported, and the contract imports them: a typo in LLMLAB_Q8_DECODE or
+    LLMLAB_PREFILL_CONFIG fails when llmlab is imported, on every machine, not at the first
+    kernel call on a GPU."""
+    if value is not None and value not in catalogue:
+        raise ValueError(f"{ENVIRONMENT[field]}={value!r} names no variant; known: {', '.join(sorted(catalogue))}")
+
+
 knobs = Knobs.from_environment()

@@ -42,11 +42,12 @@ def test_times_every_variant_on_every_cache_and_checks_them(tmp_path):
     for shape in ("1x40x40", "2x24x72"):
         for cache in ("float16", "int8", "fp8"):   # the interpreter has no bf16
             mine = [row for row in rows if row["shape"] == shape and row["cache"] == cache]
-            assert [row["variant"] for row in mine] == ["default"] + VARIANTS[:2 if cache == "float16" else 3]
+            assert [row["variant"] for row in mine] == ["default (m64-n32-w4-s1)"] + VARIANTS[:2 if cache == "float16" else 3]
+            assert [row["heads_per_program"] for row in mine] == [1, 1, 2, 1][:len(mine)]   # group 2 packs at 64 rows
             for row in mine:
                 assert "error" not in row and row["ok"], row
                 assert row["tflop_s"] == float(f"{row['flops'] / row['ms'] / 1e9:.4g}") > 0
-                assert (row["variant"] == "default" and cache == "float16") or row["vs_default"] > 0
+                assert (row["variant"].startswith("default") and cache == "float16") or row["vs_default"] > 0
     best = result["best"]
     assert set(best) == {f"{cache} {shape}" for cache in ("float16", "int8", "fp8") for shape in ("1x40x40", "2x24x72")}
     for shape in ("1x40x40", "2x24x72"):
@@ -79,3 +80,7 @@ def test_unknown_configs_and_shapes_are_refused():
     for shape, words in (("4096x4096", "SEQSxQUERIESxCONTEXT"), ("1x50x40", "QUERIES <= CONTEXT")):
         with pytest.raises(ValueError, match=words):
             prefill_variants.main(parse("--shapes", shape, "--device", "cpu"))
+    for argv, words in ((["--num-kv-heads", "0"], "positive multiple"), (["--head-dim", "48"], "--head-dim 48"),
+                        (["--block-size", "12"], "--block-size 12")):
+        with pytest.raises(ValueError, match=words):
+            prefill_variants.main(parse(*argv, "--device", "cpu"))

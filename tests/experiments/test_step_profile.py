@@ -50,9 +50,27 @@ def test_sums_losses_and_shares_per_bucket():
     assert decode["share_of_lost"] == pytest.approx(12 / 70) and prompt["share_of_lost"] == pytest.approx(58 / 70)
     assert total["steps"] == 3 and total["wall_s"] == pytest.approx(0.120) and total["skipped"] == 1
     assert (total["prompt_tokens"], total["decode_tokens"]) == (40, 10)   # the skipped step's not counted
+    assert total["share_of_lost"] is None and total["lost_s"] == pytest.approx(0.070)
     table = format_profile(rows)
     assert "| decodes only, batch 1-8 | 2 | 20.0 | 12.0 | 2.0 | 6.0 | 8.0 | 40.0% | 12.0 | 17.1% |" in table
-    assert "1 steps have no duration" in table
+    assert "(1 step without a duration left out" in table
+
+
+def test_a_step_after_requests_were_added_counts_from_the_last_one():
+    """The first step, and one after an idle wait (experiments.run writes those down), start
+    when the last request before them was added: that is when the engine had work again."""
+    from llmlab.hooks import RequestAdded
+
+    trace = Trace(steps=[step(0, 1.050, prompt=40, forward=0.040), step(1, 1.060, decodes=1, forward=0.008),
+                         step(2, 3.100, prompt=30, forward=0.030)],
+                  added=[RequestAdded("a", 40, 0.990), RequestAdded("b", 40, 1.000),
+                         RequestAdded("c", 30, 3.060)],
+                  meta={"idle_before_steps": [2]})
+    rows = profile_steps(trace, PerToken())
+    prompt, total = rows[1], rows[-1]
+    assert prompt["bucket"] == "with a prompt, 1-512 tokens" and prompt["steps"] == 2
+    assert prompt["wall_s"] == pytest.approx(0.050 + 0.040)   # from b's and c's arrivals, not from 1.060
+    assert total["skipped"] == 0 and total["wall_s"] == pytest.approx(0.100)
 
 
 @pytest.mark.slow
@@ -73,7 +91,7 @@ def test_bench_offline_profiles_its_steps_against_the_roofline(capsys):
     assert total["bucket"] == "all" and sum(r["steps"] for r in rows[:-1]) == total["steps"] > 0
     assert sum(r["wall_s"] for r in rows[:-1]) == pytest.approx(total["wall_s"])
     # the same requests through the same scheduler, simulated: the same steps, whose bound
-    # the profile must have summed (all but the first, which has no duration)
+    # the profile must have summed (the first one too: timed from the last request added)
     import dataclasses
 
     from llmlab.experiments import simulate
@@ -84,8 +102,8 @@ def test_bench_offline_profiles_its_steps_against_the_roofline(capsys):
     roofline = Roofline.of_engine(llm.engine, 0.02, 0.5)
     config = dataclasses.replace(llm.engine.config, num_gpu_blocks=llm.engine.runner.num_device_blocks)
     workload = offline.build_workload(args, llm.engine.model_config.vocab_size)
-    steps = [s for s in simulate(workload, config, roofline, record_trace=True).trace.steps if s.scheduled][1:]
-    assert total["steps"] == len(steps) and total["skipped"] == 1
+    steps = [s for s in simulate(workload, config, roofline, record_trace=True).trace.steps if s.scheduled]
+    assert total["steps"] == len(steps) and total["skipped"] == 0
     assert total["bound_s"] == pytest.approx(sum(roofline.step_time(s.scheduled) for s in steps))
     assert total["prompt_tokens"] == sum(s.num_prefill_tokens for s in steps)
-    assert "against the bound:" in capsys.readouterr().out
+    assert "where the first row's steps lose time (greedy, prefix caching on)" in capsys.readouterr().out

@@ -30,3 +30,23 @@ def test_variables_set_the_knobs_as_they_always_read():
 
 def test_the_contract_exports_the_one_knobs_object():
     assert llmlab.kernels.knobs is knobs_module.knobs
+
+
+def test_a_variant_name_from_the_environment_is_checked_when_llmlab_is_imported():
+    """A typo in LLMLAB_PREFILL_CONFIG or LLMLAB_Q8_DECODE fails on every machine, at import,
+    naming the variable and the variants there are (not first on a GPU, mid-run)."""
+    import os
+    import subprocess
+    import sys
+
+    from llmlab.kernels.triton.prefill_configs import PREFILL_CONFIGS
+    from llmlab.kernels.triton.q8_configs import Q8_CONFIGS
+
+    knobs_module.check_variant("prefill_config", "m128-n64-w8-s3-dq", PREFILL_CONFIGS)
+    knobs_module.check_variant("q8_decode", None, Q8_CONFIGS)
+    for field, catalogue in (("prefill_config", PREFILL_CONFIGS), ("q8_decode", Q8_CONFIGS)):
+        with pytest.raises(ValueError, match=f"{ENVIRONMENT[field]}='nonsense' names no variant; known: "):
+            knobs_module.check_variant(field, "nonsense", catalogue)
+    env = dict(os.environ, LLMLAB_PREFILL_CONFIG="m1-n1")
+    done = subprocess.run([sys.executable, "-c", "import llmlab"], env=env, capture_output=True, text=True)
+    assert done.returncode != 0 and "LLMLAB_PREFILL_CONFIG='m1-n1' names no variant" in done.stderr

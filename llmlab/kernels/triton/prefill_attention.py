@@ -86,7 +86,8 @@ def _find_query_tile(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_M: tl.constexpr, BL
     ends = tl.load(cu_seqlens_q_ptr + offs_s + 1, mask=offs_s < num_seqs, other=0)
     num_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M  # 0 for empty and padding sequences
     # tiles_end[s] = num_tiles[0] + ... + num_tiles[s]: one past sequence s's last tile (a
-    # scan: linear in BLOCK_S, which a step's CUDA graph pads to its token count, up to 512)
+    # scan: linear in BLOCK_S, the step's sequences to a power of two; a prompt graph pads
+    # them to MAX_PROMPTS = 16, cuda_graphs/prompt.py)
     tiles_end = tl.cumsum(num_tiles, axis=0)
     seq = tl.sum((tiles_end <= tile).to(tl.int32), axis=0)
     first_tile = tl.sum(tl.where(offs_s == seq, tiles_end - num_tiles, 0), axis=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..tuning import knobs
+from ..tuning import check_variant, knobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -18,7 +18,8 @@ class PrefillConfig:
     num_warps: int
     num_stages: int     # tiles of K/V in flight (Triton's software pipeline)
     pack_gqa: bool = False   # a program's rows are the query heads of one kv head x block_m / group tokens,
-    #                          so those heads share every K/V tile it loads (and dequantizes); where the
+    #                          so those heads share every K/V tile it loads (and dequantizes): fewer padded
+    #                          rows for short chunks, as many tile loads per FLOP for long prompts; where the
     #                          group is not a power of two or leaves under 16 tokens a tile: one head
     dequant_first: bool = False   # over an 8-bit cache: dequantize the sequences' blocks once into a
     #                               16-bit scratch cache, then run the 16-bit kernel (16-bit caches: no change)
@@ -41,11 +42,12 @@ _VARIANTS = [
     PrefillConfig(128, 128, 8, 3, True), PrefillConfig(128, 64, 8, 3, True), PrefillConfig(64, 64, 4, 3, True),
     # Dequantizing in the kernel repeats the work: every (query head, query tile) program converts
     # each K/V tile it reads, so a 4k prompt converts 32 heads x 528 (query, key) tile pairs =
-    # 16,896 tiles of the 8 kv heads x 32 = 256 there are, each 66 times. Once, into a scratch
-    # cache, is one pass over the context's codes.
+    # 16,896 tiles of the 8 kv heads x 32 = 256 there are, 66 times each on average. Once, into
+    # a scratch cache, is one pass over the context's codes.
     PrefillConfig(128, 128, 8, 3, dequant_first=True), PrefillConfig(128, 64, 8, 3, dequant_first=True),
 ]
 PREFILL_CONFIGS = {config.name: config for config in _VARIANTS}
+check_variant("prefill_config", knobs.prefill_config, PREFILL_CONFIGS)   # $LLMLAB_PREFILL_CONFIG, at import
 # Tuned on an H200 (Llama-3-8B shapes, bf16 cache, 4k causal): two warpgroups per 128-query
 # tile, 128-key tiles, loads issued two tiles ahead. The 8-bit caches run it too until
 # `bench prefill-variants` has measured them.

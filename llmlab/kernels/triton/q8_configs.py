@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..tuning import knobs
+from ..tuning import check_variant, knobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +40,7 @@ _VARIANTS = [
     Q8Config("gluon", 64, 1, 3), Q8Config("gluon", 32, 1, 2),
 ]
 Q8_CONFIGS = {config.name: config for config in _VARIANTS}
+check_variant("q8_decode", knobs.q8_decode, Q8_CONFIGS)   # $LLMLAB_Q8_DECODE, at import
 # Measured on the H200 (llmlab bench decode-variants, batch 64 x ctx 4096, Llama-3-8B heads):
 # the Gluon kernel at 32-token tiles (two blocks, a TMA copy each) and 2 stages, 2 splits,
 # 0.135 ms for int8 against 0.145 for 16-token tiles at their best (4 splits) and bf16's
