@@ -301,12 +301,14 @@ def test_gpu_quantized_decode_and_prefill_attention(cache_dtype, num_splits):
 def test_gpu_prefill_attention_configs(cache_dtype):
     """Every prefill config (prefill_configs.py) compiled: tiles, warps, stages and packed
     heads the interpreter cannot check, bf16 queries at Llama-3-8B shapes, over a bf16 and
-    both 8-bit caches; lengths off every tile and block size, chunks after cached context."""
+    both 8-bit caches; lengths off every tile and block size, chunks after cached context.
+    The -dq configs' scratch (7 sequences x 1,026 table entries, 449 MiB) stays under its cap."""
     from llmlab.kernels.triton import prefill_attention as triton_prefill
     from llmlab.kernels.triton.prefill_configs import PREFILL_CONFIGS
 
     gen = torch.Generator().manual_seed(23)
-    seq_lens, query_lens = [1, 17, 300, 1000, 4100, 2100], [1, 17, 300, 129, 4100, 77]
+    # whole prompts, chunks after cached context, and a 300-token chunk at 16k (#32: lengths 1 to 16k)
+    seq_lens, query_lens = [1, 17, 300, 1000, 4100, 2100, 16400], [1, 17, 300, 129, 4100, 77, 300]
     if cache_dtype == "bf16":
         caches = paged_kv(seq_lens, 16, HKV, D, torch.bfloat16, gen, dev="cuda")
         scales = clean_scales = ()
