@@ -24,7 +24,7 @@ may set a field directly:
 | sample_rounds   | LLMLAB_SAMPLE_ROUNDS | 3       | rejection checks before the sampler's radix fallback |
 | sample_top_k_cap | LLMLAB_SAMPLE_TOP_K_CAP | 1024 | largest top_k the sampler's candidates path takes (0: every top-k row to the radix passes) |
 | prompt_graphs   | LLMLAB_PROMPT_GRAPHS | on      | GPU steps that hold a prompt (up to 512 tokens) replay as CUDA graphs, attention included (cuda_graphs/prompt.py) |
-| prefill_config  | LLMLAB_PREFILL_CONFIG | (none) | the prefill-attention launch variant by name, 16-bit queries on a GPU (triton/prefill_configs.py; none: the default) |
+| prefill_config  | LLMLAB_PREFILL_CONFIG | (none) | the prefill-attention launch variant by name, 16-bit queries on a GPU (triton/prefill_configs.py; none: the default; an unknown name fails at import) |
 
 Knobs that the engine decides per run (CUDA graphs, async scheduling, the KV cache's
 dtype, ...) are `EngineConfig` fields instead.
