@@ -15,7 +15,8 @@ same token ids and output lengths, so the two commands give the server / offline
 
 On an H200 (or with --roofline TB_S,TFLOP_S) it also prints the bound: the same requests
 simulated through the engine's scheduler with every step at max(bytes / bandwidth, FLOPs /
-peak) (experiments/roofline.py), and each run's share of it. --profile-steps then runs the
+peak) (experiments/roofline.py), and each run's share of it; and the bound of a forward whose
+products, attention and K/V writes run one after another (Roofline(overlapped=False)). --profile-steps then runs the
 first setting once more with a hook attached (steps one at a time, each phase synchronised)
 and prints where its steps lose time against that bound, by kind and size of step
 (experiments/step_profile.py); the first result's JSON holds it as "step_profile"."""
@@ -283,6 +284,7 @@ def main(args) -> list[dict]:
 
     import torch
 
+    from llmlab.experiments.roofline import Roofline
     from llmlab.experiments.step_profile import format_profile
 
     settings = sampling_settings(args)
@@ -302,7 +304,9 @@ def main(args) -> list[dict]:
                              "(on an H200 it is the default)")
         warm_up(llm, workload, settings[0], full=args.warmup == "full")
         if roofline is not None and limit is None:
-            limit = (bound(engine, workload, roofline), roofline.meta["roofline"])
+            peaks = roofline.meta["roofline"]
+            in_sequence = Roofline.of_engine(engine, peaks["tb_s"], peaks["tflop_s"], overlapped=False)
+            limit = (bound(engine, workload, roofline), bound(engine, workload, in_sequence), peaks)
         overlaps = [False, True] if args.compare_async_scheduling else [engine.async_scheduling]
         for setting in settings:
             for overlap in overlaps:
@@ -333,13 +337,15 @@ def main(args) -> list[dict]:
     if args.hf:
         print(f"llmlab / HF = {results[0]['output_tokens_per_s'] / results[-1]['output_tokens_per_s']:.2f}x")
     if limit is not None:
-        tok_s, peaks = limit
+        tok_s, sequential_tok_s, peaks = limit
         for r in results:
             if r["impl"] == "llmlab":
                 r["of_bound"] = r["output_tokens_per_s"] / tok_s
+                r["of_bound_in_sequence"] = r["output_tokens_per_s"] / sequential_tok_s
         print(f"bound: {tok_s:.1f} output tok/s (these requests through the engine's scheduler, each step at max(bytes "
               f"/ {peaks['tb_s']:g} TB/s, FLOPs / {peaks['tflop_s']:g} TFLOP/s)); the first row at "
-              f"{first / tok_s:.1%} of it")
+              f"{first / tok_s:.1%} of it; with each step's products, attention and K/V writes one after another "
+              f"(as llmlab's forward runs them): {sequential_tok_s:.1f}, the first row at {first / sequential_tok_s:.1%}")
     if profile is not None:
         first = results[0]
         print(f"\nwhere the first row's steps lose time ({first['sampling']}, prefix caching "

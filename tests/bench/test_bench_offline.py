@@ -61,6 +61,10 @@ def test_reports_each_runs_share_of_the_bound(capsys):
     expected = simulate(workload, llm.engine.config, Roofline.of_engine(llm.engine, 0.02, 0.5)).summary()
     row = results[0]
     assert row["of_bound"] == pytest.approx(row["output_tokens_per_s"] / expected["output_tok_s"])
+    in_sequence = simulate(workload, llm.engine.config,
+                           Roofline.of_engine(llm.engine, 0.02, 0.5, overlapped=False)).summary()["output_tok_s"]
+    assert row["of_bound_in_sequence"] == pytest.approx(row["output_tokens_per_s"] / in_sequence)
+    assert in_sequence <= expected["output_tok_s"]
     assert "bound: " in capsys.readouterr().out
     args = parse("--num-requests", "2", "--input-len", "8", "--output-len", "2", "--warmup", "light")
     assert "of_bound" not in offline.main(args)[0]   # no bound on a CPU unless asked for

@@ -48,6 +48,34 @@ def test_a_step_takes_its_bytes_or_its_flops_at_the_ceilings(engine, prefills, d
     assert both == pytest.approx(max(moved, flops) / 1e6, rel=1e-9)
 
 
+@pytest.mark.parametrize("prefills,decodes", [([], [5, 40, 17]), ([(8, 50)], [3, 64]), ([(30, 30)], [])])
+def test_in_sequence_the_products_attention_and_writes_each_take_their_own_max(engine, prefills, decodes):
+    """overlapped=False: the step's matrix products, decode attention, prefill attention and
+    K/V writes one after another, each at max(bytes / bandwidth, FLOPs / peak); never less
+    than the overlapped bound, and equal to it where one ceiling is far away."""
+    model, cache, cfg = engine.runner.model, engine.runner.kv_cache.device, engine.model_config
+    matrices = model.matrices()
+    kv_token = cache[:, :, 0, 0].numel() * cache.element_size()
+    tokens = sum(chunk for chunk, _ in prefills) + len(decodes)
+    weights = sum(w.numel() * w.element_size() for w in matrices)
+    products = 2 * sum(w.numel() for w in matrices[:-1]) * tokens + 2 * matrices[-1].numel() * (
+        len(prefills) + len(decodes))
+    per_pair = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    decode_flops = per_pair * sum(decodes)
+    prefill_flops = per_pair * sum(chunk * (context - chunk + (chunk + 1) / 2) for chunk, context in prefills)
+    read, written = kv_token * sum(decodes), kv_token * tokens
+    items = dummy_plan(engine.runner.block_size, prefills, decodes).items
+    tb_s, tflop_s = 1e-6, 2e-5   # 1 byte per microsecond, 20 FLOPs per microsecond
+    expected = (max(weights, products / 20) + max(read, decode_flops / 20) + prefill_flops / 20 + written) / 1e6
+    in_sequence = Roofline.of_engine(engine, tb_s, tflop_s, overlapped=False)
+    assert in_sequence.step_time(items) == pytest.approx(expected, rel=1e-9)
+    assert in_sequence.step_time(items) >= Roofline.of_engine(engine, tb_s, tflop_s).step_time(items)
+    for far in (dict(tb_s=1e9, tflop_s=1e-6), dict(tb_s=1e-6, tflop_s=1e9)):
+        assert Roofline.of_engine(engine, **far, overlapped=False).step_time(items) == pytest.approx(
+            Roofline.of_engine(engine, **far).step_time(items), rel=1e-6)
+    assert in_sequence.meta["roofline"]["overlapped"] is False
+
+
 def test_a_simulation_at_the_bound_takes_the_sum_of_its_steps(engine):
     roofline = Roofline.of_engine(engine, tb_s=0.01, tflop_s=0.1)
     workload = Workload.throughput(12, 8, 40, vocab_size=engine.model_config.vocab_size)
