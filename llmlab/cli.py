@@ -136,7 +136,10 @@ def _add_module_parsers(sub, modules: dict, help_prefix: str) -> None:
             p = sub.add_parser(name, help=f"{help_prefix} {name} (unavailable: needs {err.name})")
             p.set_defaults(func=_missing(name, err.name))
             continue
-        p = sub.add_parser(name, help=f"{help_prefix} {name}: {(module.__doc__ or '').strip().splitlines()[0]}".strip())
+        doc = (module.__doc__ or "").strip()
+        # --help shows the module's docstring (what it measures, its examples) above the flags
+        p = sub.add_parser(name, help=f"{help_prefix} {name}: {doc.splitlines()[0] if doc else ''}".strip(),
+                           description=doc or None, formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
 

@@ -94,6 +94,10 @@ def test_every_benchmark_module_is_a_command(capsys):
         main(["bench", "launches", "--help"])
     assert exit_.value.code == 0
     assert "--batch-sizes" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "prefill-variants", "--help"])
+    out = capsys.readouterr().out   # the module's docstring: what it measures, its examples
+    assert "SEQSxQUERIESxCONTEXT" in out and "llmlab bench prefill-variants --shapes 1x40x40" in out
 
 
 def test_no_benchmark_imports_another_ones_private_helpers():
