@@ -167,7 +167,8 @@ def _prefill_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+# The table's width changes from step to step: not specialized on (no variant per width).
+@triton.jit(do_not_specialize=["stride_table"])
 def _dequantize_blocks_kernel(k_codes_ptr, v_codes_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, seq_lens_ptr,
                               cu_seqlens_q_ptr, k_out_ptr, v_out_ptr,
                               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
