@@ -141,6 +141,16 @@ def graph_replay_ms(calls, repeats=10) -> float:
 QUANTIZED_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
+def cache_dtype_names(text: str) -> list[str]:
+    """--cache-dtypes of the variant benchmarks: int8 and/or fp8, by those names or by the
+    engine's (`--kv-cache-dtype fp8_e4m3`); an unknown one fails before any row runs."""
+    names = [{"fp8_e4m3": "fp8"}.get(name.strip(), name.strip()) for name in text.split(",")]
+    unknown = [name for name in names if name not in QUANTIZED_CACHE_DTYPES]
+    if unknown:
+        raise ValueError(f"--cache-dtypes: int8 and/or fp8 (or fp8_e4m3), got {text}")
+    return names
+
+
 def quantized_cache_dtypes(device="cuda") -> dict:
     """The 8-bit caches a device runs: int8 everywhere, fp8 e4m3 from compute capability 8.9
     (and both in Triton's interpreter, on a CPU)."""

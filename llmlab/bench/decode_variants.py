@@ -21,8 +21,9 @@ import math
 
 import torch
 
-from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES, paged_cache,
-                                 quantize_paged_cache, quantized_cache_dtypes, variant_time_ms, write_json)
+from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES,
+                                 cache_dtype_names, paged_cache, quantize_paged_cache, quantized_cache_dtypes,
+                                 variant_time_ms, write_json)
 from llmlab.kernels import reference
 from llmlab.machine import versions
 
@@ -170,7 +171,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shapes", default="64x4096,64x512", help="BATCHxCONTEXT,... (default: %(default)s)")
     parser.add_argument("--configs", default=None, help="comma-separated Q8_CONFIGS names (default: all)")
     parser.add_argument("--splits", default="1,2,4", help="num_splits to run each variant with (default: %(default)s)")
-    parser.add_argument("--cache-dtypes", default=None, help="int8,fp8 (default: those the device converts)")
+    parser.add_argument("--cache-dtypes", default=None,
+                        help="int8,fp8 (fp8_e4m3 names fp8 too; default: those the device converts)")
     parser.add_argument("--num-heads", type=int, default=NUM_HEADS)
     parser.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -183,5 +185,5 @@ def add_arguments(parser) -> None:
 def main(args) -> dict:
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     return run(args.out, shapes, args.configs.split(",") if args.configs else None, _ints(args.splits),
-               args.cache_dtypes.split(",") if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
+               cache_dtype_names(args.cache_dtypes) if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
                args.head_dim, args.block_size, args.device, tuple(args.scale_layouts.split(",")))

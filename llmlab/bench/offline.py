@@ -345,7 +345,8 @@ def main(args) -> list[dict]:
         print(f"bound: {tok_s:.1f} output tok/s (these requests through the engine's scheduler, each step at max(bytes "
               f"/ {peaks['tb_s']:g} TB/s, FLOPs / {peaks['tflop_s']:g} TFLOP/s)); the first row at "
               f"{first / tok_s:.1%} of it; with each step's products, attention and K/V writes one after another "
-              f"(as llmlab's forward runs them): {sequential_tok_s:.1f}, the first row at {first / sequential_tok_s:.1%}")
+              f"(as llmlab's forward runs them): {sequential_tok_s:.1f}, the first row at "
+              f"{first / sequential_tok_s:.1%}")
     if profile is not None:
         first = results[0]
         print(f"\nwhere the first row's steps lose time ({first['sampling']}, prefix caching "

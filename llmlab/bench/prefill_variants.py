@@ -31,8 +31,9 @@ import math
 
 import torch
 
-from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES, paged_cache,
-                                 quantize_paged_cache, quantized_cache_dtypes, variant_time_ms, write_json)
+from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES,
+                                 cache_dtype_names, paged_cache, quantize_paged_cache, quantized_cache_dtypes,
+                                 variant_time_ms, write_json)
 from llmlab.kernels import reference
 from llmlab.machine import versions
 
@@ -219,9 +220,11 @@ def _best(rows, full: str) -> dict:
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
-                        help="SEQSxQUERIESxCONTEXT,... (default: %(default)s: a 4k prompt, a 512-token chunk after 3.5k)")
+                        help="SEQSxQUERIESxCONTEXT,... (default: %(default)s: a 4k prompt, a 512-token chunk "
+                             "after 3.5k)")
     parser.add_argument("--configs", default=None, help="comma-separated PREFILL_CONFIGS names (default: all)")
-    parser.add_argument("--cache-dtypes", default=None, help="int8,fp8 (default: those the device converts)")
+    parser.add_argument("--cache-dtypes", default=None,
+                        help="int8,fp8 (fp8_e4m3 names fp8 too; default: those the device converts)")
     parser.add_argument("--num-heads", type=int, default=NUM_HEADS)
     parser.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -231,5 +234,5 @@ def add_arguments(parser) -> None:
 
 def main(args) -> dict:
     return run(args.out, parse_shapes(args.shapes), args.configs.split(",") if args.configs else None,
-               args.cache_dtypes.split(",") if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
+               cache_dtype_names(args.cache_dtypes) if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
                args.head_dim, args.block_size, args.device)

@@ -48,6 +48,6 @@ def __getattr__(name):   # figures need plotly, which a GPU box may not have: im
 
 __all__ = ["FEATURES", "POLICIES", "CostModel", "DenseProfile", "ExtrapolationWarning", "Interval", "RateSearch",
            "Repeats", "RequestMetrics", "Result", "Roofline", "StepStats", "max_rate",
-           "Workload", "WorkloadRequest", "engine_meta", "format_profile", "profile_steps", "read_lengths", "resolve_policy",
-           "run", "simulate", "step_features",
+           "Workload", "WorkloadRequest", "engine_meta", "format_profile", "profile_steps", "read_lengths",
+           "resolve_policy", "run", "simulate", "step_features",
            *FIGURES]

@@ -22,9 +22,10 @@ compute-bound work (the products over a prompt chunk's rows), as if they ran at 
 llmlab's forward runs them one after another, layer by layer. `overlapped=False` is the
 bound of that order: the matrix products (weights read once, 2 x parameters FLOPs a row),
 decode attention (the K/V read, its FLOPs), prefill attention (its FLOPs) and the new
-tokens' K/V written, each at its own max(bytes / bandwidth, FLOPs / peak), summed. It is the lower bound of every forward whose
-kernels do not overlap; between it and the overlapped bound lies what only overlapping
-kernels (attention beside the products: streams, nano-batches) can win.
+tokens' K/V written, each at its own max(bytes / bandwidth, FLOPs / peak), summed. It is the
+lower bound of every forward whose kernels do not overlap; between it and the overlapped
+bound lies what only overlapping kernels (attention beside the products: streams,
+nano-batches) can win.
 """
 from __future__ import annotations
 

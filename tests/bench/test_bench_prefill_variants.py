@@ -74,6 +74,14 @@ def test_a_wrong_variant_is_reported_and_never_the_best(tmp_path, monkeypatch):
     assert all(row["variant"] != VARIANTS[1] for row in result["best"].values())
 
 
+def test_the_engines_name_for_the_fp8_cache_is_taken(tmp_path):
+    result = prefill_variants.main(parse("--shapes", "1x16x16", "--num-heads", "2", "--num-kv-heads", "1",
+                                         "--head-dim", "16", "--configs", "m64-n64-w4-s3", "--cache-dtypes",
+                                         "fp8_e4m3", "--device", "cpu"))
+    assert {row["cache"] for row in result["rows"]} == {"float16", "fp8"}
+    assert all(row["ok"] for row in result["rows"])
+
+
 def test_unknown_configs_and_shapes_are_refused():
     with pytest.raises(ValueError, match="unknown configs"):
         prefill_variants.main(parse("--configs", "m99-n1-w1-s1", "--device", "cpu"))
