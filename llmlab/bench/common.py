@@ -141,6 +141,29 @@ def graph_replay_ms(calls, repeats=10) -> float:
 QUANTIZED_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
+def variant_setup(device, cache_dtypes, configs, catalogue: dict):
+    """What the kernel-variant benchmarks (decode-variants, prefill-variants) check before any
+    row runs: (device, on_gpu, dtype, cache dtype names, config names). `device` None or
+    "auto": CUDA when there is one; dtype bf16 on a GPU, fp16 in the interpreter (no bf16);
+    cache dtypes default to those the device converts; configs to the whole catalogue."""
+    from llmlab.config import check_device
+
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    check_device(str(device), device)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    cache_dtypes = list(quantized_cache_dtypes(device)) if cache_dtypes is None else list(cache_dtypes)
+    if any(name not in QUANTIZED_CACHE_DTYPES for name in cache_dtypes):
+        raise ValueError(f"--cache-dtypes: int8 and/or fp8, got {','.join(cache_dtypes)}")
+    names = list(configs or catalogue)
+    unknown = [name for name in names if name not in catalogue]
+    if unknown:
+        raise ValueError(f"unknown configs {unknown}; known: {sorted(catalogue)}")
+    return device, on_gpu, dtype, cache_dtypes, names
+
+
 def cache_dtype_names(text: str) -> list[str]:
     """--cache-dtypes of the variant benchmarks: int8 and/or fp8, by those names or by the
     engine's (`--kv-cache-dtype fp8_e4m3`); an unknown one fails before any row runs."""

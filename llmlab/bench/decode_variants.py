@@ -22,8 +22,8 @@ import math
 import torch
 
 from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES,
-                                 cache_dtype_names, paged_cache, quantize_paged_cache, quantized_cache_dtypes,
-                                 variant_time_ms, write_json)
+                                 cache_dtype_names, paged_cache, quantize_paged_cache, variant_setup, variant_time_ms,
+                                 write_json)
 from llmlab.kernels import reference
 from llmlab.machine import versions
 
@@ -42,20 +42,7 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     from llmlab.kernels.triton import decode_attention as triton_decode_attention
     from llmlab.kernels.triton.q8_configs import Q8_CONFIGS
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from llmlab.config import check_device
-
-    check_device(str(device), device)
-    on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter has no bf16
-    if cache_dtypes is None:
-        cache_dtypes = list(quantized_cache_dtypes(device))
-    if any(name not in QUANTIZED_CACHE_DTYPES for name in cache_dtypes):   # before any row runs
-        raise ValueError(f"--cache-dtypes: int8 and/or fp8, got {','.join(cache_dtypes)}")
-    names = list(configs or Q8_CONFIGS)
-    unknown = [name for name in names if name not in Q8_CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown configs {unknown}; known: {sorted(Q8_CONFIGS)}")
+    device, on_gpu, dtype, cache_dtypes, names = variant_setup(device, cache_dtypes, configs, Q8_CONFIGS)
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     rows = []
@@ -177,7 +164,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--device", default=None, help="cuda, cpu or auto (default: cuda when there is one)")
     parser.add_argument("--scale-layouts", default="slot",
                         help="slot,head: also time the Gluon kernel on scales stored kv head by kv head")
 

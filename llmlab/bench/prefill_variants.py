@@ -32,8 +32,8 @@ import math
 import torch
 
 from llmlab.bench.common import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, QUANTIZED_CACHE_DTYPES,
-                                 cache_dtype_names, paged_cache, quantize_paged_cache, quantized_cache_dtypes,
-                                 variant_time_ms, write_json)
+                                 cache_dtype_names, paged_cache, quantize_paged_cache, variant_setup, variant_time_ms,
+                                 write_json)
 from llmlab.kernels import reference
 from llmlab.machine import versions
 
@@ -68,25 +68,11 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
     """Time the default config and every named config on the 16-bit cache (bf16 on a GPU,
     fp16 in the interpreter) and on each 8-bit cache, for each shape; print a table, return
     {"device", ..., "rows", "best"} (also as JSON to out_path, after every row)."""
-    from llmlab.config import check_device
     from llmlab.kernels.triton import prefill_attention as triton_prefill
     from llmlab.kernels.triton.prefill_configs import PREFILL_CONFIGS
 
-    if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    check_device(str(device), device)
-    on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float16   # the interpreter has no bf16
+    device, on_gpu, dtype, cache_dtypes, names = variant_setup(device, cache_dtypes, configs, PREFILL_CONFIGS)
     full = str(dtype).removeprefix("torch.")
-    if cache_dtypes is None:
-        cache_dtypes = list(quantized_cache_dtypes(device))
-    if any(name not in QUANTIZED_CACHE_DTYPES for name in cache_dtypes):   # before any row runs
-        raise ValueError(f"--cache-dtypes: int8 and/or fp8, got {','.join(cache_dtypes)}")
-    names = list(configs or PREFILL_CONFIGS)
-    unknown = [name for name in names if name not in PREFILL_CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown configs {unknown}; known: {sorted(PREFILL_CONFIGS)}")
     if not (num_heads >= 1 and num_kv_heads >= 1) or num_heads % num_kv_heads:
         raise ValueError(f"--num-heads {num_heads} must be a positive multiple of --num-kv-heads {num_kv_heads}")
     for flag, value, least in (("--head-dim", head_dim, 16), ("--block-size", block_size, 1)):

@@ -26,6 +26,8 @@ flight, so `host` is what async scheduling would have to hide).
 """
 from __future__ import annotations
 
+import bisect
+
 from llmlab.experiments.cost_model import swapped_blocks
 from llmlab.experiments.result import step_durations
 from llmlab.hooks import Trace
@@ -55,8 +57,9 @@ def durations(trace: Trace) -> list[float | None]:
     out, added, previous = [], sorted(event.time for event in trace.added), None
     for step, wall in zip(trace.steps, step_durations(trace)):
         if wall is None:
-            since = [t for t in added if (previous is None or t > previous) and t <= step.time]
-            wall = step.time - since[-1] if since else None
+            last = bisect.bisect_right(added, step.time) - 1   # the last request added by the step's end
+            if last >= 0 and (previous is None or added[last] > previous):
+                wall = step.time - added[last]
         out.append(wall)
         previous = step.time
     return out

@@ -283,8 +283,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     assert scale > 0, "the kernel takes the running max before scaling, which needs scale > 0"
     launch = _launch_config(q.dtype, q.device, config)
     block_m, block_n = launch.block_m, launch.block_n
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if quantized and launch.dequant_first and (scratch_in_graphs or not capturing):
+    if quantized and launch.dequant_first and (
+            scratch_in_graphs or not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         scratch = _dequantize_into_scratch(k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,
                                            cu_seqlens_q, q.dtype)
         if scratch is not None:   # from here on a 16-bit cache
