@@ -122,12 +122,23 @@ def resolve_tokenizer(name: str | os.PathLike):
     return Tokenizer(str(folder))
 
 
+def _content_key(path: Path, sample: int = 1 << 20) -> str:
+    """A key for a file's contents (its size, first and last MiB), not its place: every fresh
+    virtual environment holds the embedded file at a new path, and a key by path converted it
+    again into a new folder each time (517 MB each, a disk filled by clean clones)."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        digest.update(f"{size}:".encode() + f.read(sample))
+        f.seek(max(0, size - sample))
+        digest.update(f.read(sample))
+    return digest.hexdigest()[:12]
+
+
 def _converted(gguf_path: Path) -> Path:
     from llmlab.model.gguf_convert import convert_gguf
 
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / f"{gguf_path.stem}-{key}"
+    out = cache_dir() / f"{gguf_path.stem}-{_content_key(gguf_path)}"
     if not (out / "config.json").is_file():
         print(f"llmlab: converting {gguf_path.name} to {out} (once; later loads are fast)", flush=True)
         convert_gguf(gguf_path, out)

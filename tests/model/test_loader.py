@@ -414,3 +414,22 @@ def test_hf_reference_loads_without_progress_bars_and_leaves_the_setting_alone(c
     assert "%|" not in capsys.readouterr().err            # no tqdm bar drawn
     assert not model.training and model.config.num_hidden_layers == 30
     assert transformers.utils.logging.is_progress_bar_enabled() and modeling_gguf_pytorch_utils.tqdm is gguf_bar
+
+
+def test_a_gguf_is_converted_once_per_contents_not_per_path(tmp_path):
+    """Each fresh virtual environment holds the embedded file at a new path: the converted
+    folder's key is the file's contents, so a clean clone reuses the folder a previous one made."""
+    from llmlab.model.loader import _content_key
+
+    data = bytes(range(256)) * 20_000              # 5 MB: both ends sampled
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert _content_key(a) == _content_key(b)
+    changed = bytearray(data)
+    changed[-1] ^= 1                               # the last byte: tensor data ends a file
+    b.write_bytes(changed)
+    assert _content_key(a) != _content_key(b)
+    b.write_bytes(data[:-1])                        # a truncated copy
+    assert _content_key(a) != _content_key(b)
