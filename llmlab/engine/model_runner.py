@@ -127,7 +127,12 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del probe
         torch.cuda.empty_cache()
-        return int(peak * 1.2)   # headroom for allocator fragmentation
+        # over an 8-bit cache, a prefill's attention may first dequantize the sequences' blocks
+        # into a 16-bit scratch (the default prefill config; the probe above ran a 16-bit cache)
+        scratch = 0
+        if self.config.kv_cache_dtype != "auto":
+            from llmlab.kernels.triton.prefill_attention import DEQUANT_SCRATCH_MAX_BYTES as scratch
+        return int(peak * 1.2) + scratch   # headroom for allocator fragmentation
 
     def make_decode_graphs(self):
         """The decode-step CUDA graphs that `forward` replays from now on: CudaGraphDecoder

@@ -36,7 +36,7 @@ class PrefillConfig:
 # spill: 64 x 128 tiles with 4 warps (180 bytes in bf16), and 256-row tiles with 16 warps,
 # which cap a thread at 128 registers (kilobytes).
 _VARIANTS = [
-    PrefillConfig(128, 128, 8, 3),    # the default
+    PrefillConfig(128, 128, 8, 3),    # the default over 16-bit caches
     PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4),
     PrefillConfig(64, 64, 4, 3),
     PrefillConfig(128, 128, 8, 3, True), PrefillConfig(128, 64, 8, 3, True), PrefillConfig(64, 64, 4, 3, True),
@@ -48,10 +48,12 @@ _VARIANTS = [
 ]
 PREFILL_CONFIGS = {config.name: config for config in _VARIANTS}
 check_variant("prefill_config", knobs.prefill_config, PREFILL_CONFIGS)   # $LLMLAB_PREFILL_CONFIG, at import
-# Tuned on an H200 (Llama-3-8B shapes, bf16 cache, 4k causal): two warpgroups per 128-query
-# tile, 128-key tiles, loads issued two tiles ahead. The 8-bit caches run it too until
-# `bench prefill-variants` has measured them.
-DEFAULT_PREFILL_CONFIG = "m128-n128-w8-s3"          # 16-bit queries on a GPU
+# Tuned on an H200 (Llama-3-8B shapes, 4k causal): two warpgroups per 128-query tile, 128-key
+# tiles, loads issued two tiles ahead; over an 8-bit cache, the blocks dequantized first
+# (`bench prefill-variants`, 2026-12-05: int8 / fp8 0.436 / 0.434 ms against bf16's 0.431 for
+# a 4k prompt, 0.958 / 1.046 converting in the kernel; 0.099 against 0.098 for a 512-token
+# chunk after 3.5k). Packing GQA heads (-gqa) took 0.397 for the 4k prompt but 0.100 for the chunk.
+DEFAULT_PREFILL_CONFIG = "m128-n128-w8-s3-dq"       # 16-bit queries on a GPU; -dq: no change over 16-bit caches
 FLOAT32_CONFIG = PrefillConfig(64, 32, 4, 2)        # fp32 tiles are twice the bytes: three stay in shared memory
 INTERPRETER_CONFIG = PrefillConfig(64, 32, 4, 1)    # few, large programs; a small block_n exercises multi-tile paths
 
