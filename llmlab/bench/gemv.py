@@ -9,6 +9,11 @@ from HBM, without launch gaps. Every variant's result is checked against F.linea
     llmlab bench gemv                                   # the H200: all variants
     llmlab bench gemv --shapes 256x512 --configs n16-k512-w4-s2   # CPU: the interpreter, a check
     llmlab bench gemv --rows 64 --shapes 4096x4096 --skinny-configs n32-k256-w4-s4,n128-k128-w4-s4-split4
+    llmlab bench gemv --rows 128,192,256 --skinny-configs none   # cuBLAS at a large decode batch
+
+On the H200 each row also gives TFLOP/s and the share of its bound, max(bytes / 4.27 TB/s,
+FLOPs / 790 TFLOP/s), that the time reaches (`experiments/roofline.py`'s ceilings): where a
+batch of a hundred-odd rows sits at the ridge, the bound the offline benchmark compares with.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--configs", default=None, help="comma-separated GEMV_CONFIGS names (default: all)")
     parser.add_argument("--rows", default="1", help="rows of x: 1 times the GEMV, 2-64 the skinny GEMM")
     parser.add_argument("--skinny-configs", default=None,
-                        help="for rows > 1: comma-separated tiles nN-kK-wW-sS for the skinny GEMM (default: a grid)")
+                        help="for rows > 1: comma-separated tiles nN-kK-wW-sS for the skinny GEMM (default: a grid; "
+                             "none: cuBLAS alone)")
     parser.add_argument("--out", default=None)
 
 
@@ -37,6 +43,8 @@ def skinny_configs(args):
     candidates."""
     from llmlab.kernels.dense.gemv import GemvConfig
 
+    if args.skinny_configs == "none":
+        return []
     if args.skinny_configs:
         return [GemvConfig.from_name(name) for name in args.skinny_configs.split(",")]
     grid = [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
@@ -49,6 +57,7 @@ def main(args) -> list[dict]:
     import torch.nn.functional as F
 
     from llmlab.kernels.dense.gemv import GEMV_CONFIGS, gemv
+    from llmlab.experiments.roofline import H200_TB_S, H200_TFLOP_S
     from llmlab.kernels.dense.skinny_gemm import skinny_gemm
 
     cuda = torch.cuda.is_available()
@@ -87,13 +96,17 @@ def main(args) -> list[dict]:
                        "ok": err <= 2e-2 * scale + 1e-3}
                 if cuda:
                     ms = graph_replay_ms([lambda w=w, fn=fn: fn(w) for w in weights] * 3)
-                    row.update(ms=ms, tb_s=nbytes / ms / 1e9)
+                    flops, moved = 2 * m * n * k, nbytes + (m * k + m * n) * x.element_size()
+                    bound_ms = max(moved / H200_TB_S / 1e9, flops / H200_TFLOP_S / 1e9)
+                    row.update(ms=ms, tb_s=nbytes / ms / 1e9, tflop_s=flops / ms / 1e9,
+                               of_h200_bound=round(bound_ms / ms, 3))
                 # the same bits after the timed replays: split-K's tile counters were left at 0
                 row["repeatable"] = bool(torch.equal(fn(weights[0]), got))
                 row["ok"] = row["ok"] and (row["repeatable"] or name == "cublas")
                 results.append(row)
                 print(f"{label:8} {n:>6}x{k:<6} rows {m:>3} {name:32} "
-                      + (f"{row['ms'] * 1000:8.1f} us {row['tb_s']:5.2f} TB/s " if cuda else "")
+                      + (f"{row['ms'] * 1000:8.1f} us {row['tb_s']:5.2f} TB/s {row['tflop_s']:6.1f} TFLOP/s "
+                         f"{row['of_h200_bound']:6.1%} of bound " if cuda else "")
                       + f"err {err:.2e}{'' if row['repeatable'] else '  NOT REPEATABLE'}"
                       + f"{'' if row['ok'] else '  MISMATCH'}", flush=True)
         del weights
