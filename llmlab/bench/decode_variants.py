@@ -33,14 +33,18 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 
 def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 2, 4), cache_dtypes=None,
         num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE, device=None,
-        scale_layouts=("slot",)) -> dict:
+        scale_layouts=("slot",), engine=False) -> dict:
     """Time the bf16 (fp16 on a CPU) kernel and every named 8-bit config on each
     (batch, context) shape; print a table, return {"device", "rows", "best"} (also as
     JSON to out_path). scale_layouts: "slot" (the cache's: a slot's kv-head scales side
     by side) and/or "head" (a kv head's scales of a block side by side, the same logical
-    [blocks, block_size, kv_heads] tensor with other strides; the Gluon kernel only)."""
+    [blocks, block_size, kv_heads] tensor with other strides; the Gluon kernel only).
+    engine: also time what the engine runs at each shape, the split count
+    `kernels.decode_num_splits` gives and, over an 8-bit cache, the variant
+    `q8_configs.q8_config` picks for it (rows "engine: NAME"; the summary's "engine")."""
+    from llmlab import kernels
     from llmlab.kernels.triton import decode_attention as triton_decode_attention
-    from llmlab.kernels.triton.q8_configs import Q8_CONFIGS
+    from llmlab.kernels.triton.q8_configs import Q8_CONFIGS, q8_config
 
     device, on_gpu, dtype, cache_dtypes, names = variant_setup(device, cache_dtypes, configs, Q8_CONFIGS)
     gen = torch.Generator().manual_seed(0)
@@ -89,14 +93,19 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
 
         bf16_ms = {}
         expected = reference.decode_attention(q, *caches[0], seq_lens, scale).float()
-        for num_splits in splits:
-            row = dict(variant=f"{str(dtype)[6:]} (unchanged kernel)", cache=str(dtype)[6:], num_splits=num_splits,
-                       **shape)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else None
+        engine_splits = {quantized: kernels.decode_num_splits(batch, num_kv_heads, context, num_sms, quantized)
+                         for quantized in (False, True)}
+        bf16_runs = [(f"{str(dtype)[6:]} (unchanged kernel)", n) for n in splits]
+        if engine:
+            bf16_runs.append((f"engine: {str(dtype)[6:]}", engine_splits[False]))
+        for label, num_splits in bf16_runs:
+            row = dict(variant=label, cache=str(dtype)[6:], num_splits=num_splits, **shape)
             measure(row, lambda i, n=num_splits: (lambda k, v, t: lambda: triton_decode_attention.decode_attention(
                 q, k, v, t, seq_lens, scale, n))(*caches[i % num_sets]), rows_read * head_dim * dtype.itemsize,
                 expected)
             if "ms" in row:
-                bf16_ms[num_splits] = row["ms"]
+                bf16_ms[num_splits] = min(row["ms"], bf16_ms.get(num_splits, row["ms"]))
 
         for cache_name in cache_dtypes:
             cache_dtype = QUANTIZED_CACHE_DTYPES[cache_name]
@@ -106,11 +115,16 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
                                                   k_scales, v_scales).float()
             by_layout = {"slot": quantized,
                          "head": [(k, v, t, _head_major(ks), _head_major(vs)) for k, v, t, ks, vs in quantized]}
-            for layout, name, num_splits in itertools.product(scale_layouts, names, splits):
+            runs = [(layout, name, num_splits, "") for layout, name, num_splits
+                    in itertools.product(scale_layouts, names, splits)]
+            if engine:
+                num_splits = engine_splits[True]
+                runs.append(("slot", q8_config(None, batch, num_kv_heads, num_splits).name, num_splits, "engine: "))
+            for layout, name, num_splits, prefix in runs:
                 config = Q8_CONFIGS[name]
                 if layout == "head" and (config.dequant != "gluon" or not on_gpu):  # where Gluon runs
                     continue
-                row = dict(variant=name + ("" if layout == "slot" else " (head-major scales)"), cache=cache_name,
+                row = dict(variant=prefix + name + ("" if layout == "slot" else " (head-major scales)"), cache=cache_name,
                            num_splits=num_splits, dequant=config.dequant, scale_layout=layout,
                            block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **shape)
 
@@ -139,7 +153,18 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
     print("fastest correct variant per cache and shape:")
     for key, row in best.items():
         print(f"  {key}: {row}")
-    result = {**header_info, "rows": rows, "best": best}
+    chosen = {}
+    for row in rows:   # the engine's 8-bit choice against the best full-precision row of its shape
+        full = best.get(f"{baseline} {row['batch']}x{row['context']}")
+        if row["variant"].startswith("engine: ") and row["cache"] != baseline and "ms" in row and full:
+            chosen[f"{row['cache']} {row['batch']}x{row['context']}"] = {
+                "variant": row["variant"][8:], "num_splits": row["num_splits"], "ms": row["ms"], "ok": row["ok"],
+                "speedup_vs_best_bf16": round(full["ms"] / row["ms"], 3)}
+    if chosen:
+        print("what the engine runs:")
+        for key, row in chosen.items():
+            print(f"  {key}: {row}")
+    result = {**header_info, "rows": rows, "best": best, **({"engine": chosen} if chosen else {})}
     write_json(out_path, result)
     return result
 
@@ -165,6 +190,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--device", default=None, help="cuda, cpu or auto (default: cuda when there is one)")
+    parser.add_argument("--engine", action="store_true",
+                        help="also time the split count and 8-bit variant the engine picks at each shape")
     parser.add_argument("--scale-layouts", default="slot",
                         help="slot,head: also time the Gluon kernel on scales stored kv head by kv head")
 
@@ -173,4 +200,4 @@ def main(args) -> dict:
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     return run(args.out, shapes, args.configs.split(",") if args.configs else None, _ints(args.splits),
                cache_dtype_names(args.cache_dtypes) if args.cache_dtypes else None, args.num_heads, args.num_kv_heads,
-               args.head_dim, args.block_size, args.device, tuple(args.scale_layouts.split(",")))
+               args.head_dim, args.block_size, args.device, tuple(args.scale_layouts.split(",")), args.engine)

@@ -179,10 +179,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     if num_sms is None:
         return 1
     from .triton.flash_decoding import choose_num_splits
+    from .triton.q8_configs import Q8_MIN_SPLIT_TOKENS
 
     # the 8-bit (Gluon) kernel wants more programs per SM and longer ranges (flash_decoding.py)
     splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms,
-                               programs_per_sm=8 if quantized else 4, min_split_tokens=512 if quantized else 128)
+                               programs_per_sm=8 if quantized else 4,
+                               min_split_tokens=Q8_MIN_SPLIT_TOKENS if quantized else 128)
     return 1 << (splits.bit_length() - 1)
 
 

@@ -49,3 +49,23 @@ def test_times_the_baseline_and_every_variant_and_checks_them(tmp_path):
 def test_unknown_config_is_refused():
     with pytest.raises(ValueError, match="unknown configs"):
         decode_variants.main(parse("--configs", "packed-n99-w1-s1", "--device", "cpu"))
+
+
+@pytest.mark.slow
+def test_engine_rows_time_what_the_engine_runs(tmp_path, monkeypatch):
+    """--engine adds, per shape, the split count the engine takes and the 8-bit variant it picks
+    for that shape; the summary compares the 8-bit one with the best full-precision row."""
+    from llmlab import kernels
+    from llmlab.kernels.triton.q8_configs import default_q8_config
+
+    monkeypatch.setattr(kernels.knobs, "q8_decode", None)
+    result = decode_variants.main(parse("--shapes", "2x40", "--num-heads", "4", "--num-kv-heads", "2",
+                                        "--head-dim", "64", "--configs", VARIANTS[1], "--splits", "2",
+                                        "--cache-dtypes", "int8", "--device", "cpu", "--engine"))
+    engine = [row for row in result["rows"] if row["variant"].startswith("engine: ")]
+    assert [(row["variant"], row["cache"], row["num_splits"]) for row in engine] == [
+        ("engine: float16", "float16", 1), ("engine: " + default_q8_config(2, 2, 1), "int8", 1)]
+    assert all(row["ok"] for row in engine)
+    chosen = result["engine"]["int8 2x40"]
+    fastest_full = min(row["ms"] for row in result["rows"] if row["cache"] == "float16")
+    assert chosen["speedup_vs_best_bf16"] == round(fastest_full / chosen["ms"], 3)

@@ -67,7 +67,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         return decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, None, None,
                                      new_token)
     assert new_token is None, "the fused rope + store path takes full-precision caches"
-    config = q8_config(q8_variant)
+    config = q8_config(q8_variant, num_seqs, num_kv_heads, num_splits)
     if config.dequant == "legacy":
         return decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
                                      k_scales, v_scales)

@@ -50,11 +50,30 @@ check_variant("q8_decode", knobs.q8_decode, Q8_CONFIGS)   # $LLMLAB_Q8_DECODE, a
 # ("packed" in the interpreter).
 DEFAULT_Q8_CONFIG = "gluon-n32-w1-s2"
 GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, other head sizes)
+SMALL_TILE_Q8_CONFIG = "gluon-n16-w1-s2"
+# the shortest context range an 8-bit decode split takes (kernels.decode_num_splits)
+Q8_MIN_SPLIT_TOKENS = 256
 
 
-def q8_config(name: str | None = None) -> Q8Config:
-    """The named variant, else knobs.q8_decode ($LLMLAB_Q8_DECODE), else the default."""
-    name = name or knobs.q8_decode or DEFAULT_Q8_CONFIG
+def small_tiles_win(num_programs: int, num_splits: int) -> bool:
+    """Whether 16-token tiles beat 32-token ones for a step of `num_programs` (sequence, kv
+    head) pairs run in `num_splits` splits: (measured: PLACEHOLDER)."""
+    return num_splits == 1 and num_programs >= 1024
+
+
+def default_q8_config(num_seqs: int | None = None, num_kv_heads: int | None = None, num_splits: int = 1) -> str:
+    """The default variant for a decode step's shape: DEFAULT_Q8_CONFIG, or SMALL_TILE_Q8_CONFIG
+    where the measurements below put 16-token tiles ahead."""
+    if num_seqs is not None and num_kv_heads is not None and small_tiles_win(num_seqs * num_kv_heads, num_splits):
+        return SMALL_TILE_Q8_CONFIG
+    return DEFAULT_Q8_CONFIG
+
+
+def q8_config(name: str | None = None, num_seqs: int | None = None, num_kv_heads: int | None = None,
+              num_splits: int = 1) -> Q8Config:
+    """The named variant, else knobs.q8_decode ($LLMLAB_Q8_DECODE), else the default for the
+    step's shape (`default_q8_config`; without a shape, DEFAULT_Q8_CONFIG)."""
+    name = name or knobs.q8_decode or default_q8_config(num_seqs, num_kv_heads, num_splits)
     if name not in Q8_CONFIGS:
         raise ValueError(f"unknown 8-bit decode config {name!r}; known: {sorted(Q8_CONFIGS)}")
     return Q8_CONFIGS[name]
