@@ -129,9 +129,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         # over an 8-bit cache, a prefill's attention may first dequantize the sequences' blocks
         # into a 16-bit scratch (the default prefill config; the probe above ran a 16-bit cache)
-        scratch = 0
-        if self.config.kv_cache_dtype != "auto":
-            from llmlab.kernels.triton.prefill_attention import DEQUANT_SCRATCH_MAX_BYTES as scratch
+        scratch = kernels.prefill_scratch_bytes(self.config.kv_cache_dtype != "auto")
         return int(peak * 1.2) + scratch   # headroom for allocator fragmentation
 
     def make_decode_graphs(self):

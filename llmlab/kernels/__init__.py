@@ -188,6 +188,18 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)
 
 
+def prefill_scratch_bytes(quantized: bool) -> int:
+    """The most memory a prefill-attention call takes beside its output: over an 8-bit cache
+    the Triton kernel may first dequantize the sequences' blocks into a 16-bit scratch
+    (`triton/prefill_attention.py`, DEQUANT_SCRATCH_MAX_BYTES); what the runner's memory
+    profile, which runs a 16-bit cache, adds for it."""
+    if not quantized:
+        return 0
+    from .triton.prefill_attention import DEQUANT_SCRATCH_MAX_BYTES
+
+    return DEQUANT_SCRATCH_MAX_BYTES
+
+
 def filter_logits(x, top_k, top_p, min_p, *, backend=None):
     """The sampling filters (top-k, top-p, min-p) on scaled logits, as `Sampler.probabilities`
     and processed logprobs need them. The torch backend finds the spec's cut among a row's top
