@@ -348,3 +348,34 @@ def test_gpu_quantized_decode_attention_variants(cache_dtype):
             actual = decode_attention(q, k_codes, v_codes, block_tables, lens, D ** -0.5, num_splits,
                                       k_scales, v_scales, q8_variant=name)
             torch.testing.assert_close(actual, expected, **BF16_ATTENTION_TOL, msg=lambda m: f"{name}, {num_splits} splits: {m}")
+
+
+def test_the_default_8bit_variant_follows_the_steps_shape(monkeypatch):
+    """Unnamed, the 8-bit decode variant is chosen per step: 16-token tiles where the batch
+    alone gives >= 1,024 programs and no split is made, 32-token tiles elsewhere; a knob or an
+    explicit name overrides the choice for every shape."""
+    from llmlab.kernels.triton.q8_configs import (DEFAULT_Q8_CONFIG, SMALL_TILE_Q8_CONFIG, default_q8_config,
+                                                  q8_config)
+
+    monkeypatch.setattr(kernels.knobs, "q8_decode", None)
+    assert default_q8_config(128, 8, 1) == SMALL_TILE_Q8_CONFIG      # 1,024 programs, whole contexts
+    assert default_q8_config(256, 8, 1) == SMALL_TILE_Q8_CONFIG
+    assert default_q8_config(127, 8, 1) == DEFAULT_Q8_CONFIG         # 1,016 programs
+    assert default_q8_config(128, 8, 2) == DEFAULT_Q8_CONFIG         # split: 32-token tiles
+    assert default_q8_config(64, 8, 1) == DEFAULT_Q8_CONFIG
+    assert default_q8_config() == DEFAULT_Q8_CONFIG                  # no shape given
+    assert q8_config(None, 128, 8, 1).name == SMALL_TILE_Q8_CONFIG
+    assert q8_config("prmt-n128-w4-s2", 128, 8, 1).name == "prmt-n128-w4-s2"
+    monkeypatch.setattr(kernels.knobs, "q8_decode", "gluon-n32-w1-s2")
+    assert q8_config(None, 128, 8, 1).name == "gluon-n32-w1-s2"
+
+
+def test_8bit_decode_splits_keep_about_500_tokens_each():
+    """kernels.decode_num_splits for an 8-bit cache on 132 SMs: 8 programs per SM, >= 500
+    tokens a split, rounded down to a power of two (one graph per count)."""
+    assert kernels.decode_num_splits(64, 8, 512, 132, quantized=True) == 1
+    assert kernels.decode_num_splits(64, 8, 1000, 132, quantized=True) == 2
+    assert kernels.decode_num_splits(32, 8, 2000, 132, quantized=True) == 4
+    assert kernels.decode_num_splits(64, 8, 4096, 132, quantized=True) == 2
+    assert kernels.decode_num_splits(128, 8, 1000, 132, quantized=True) == 1
+    assert kernels.decode_num_splits(64, 8, 4096, None, quantized=True) == 1   # not on a GPU

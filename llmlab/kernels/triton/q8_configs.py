@@ -51,13 +51,20 @@ check_variant("q8_decode", knobs.q8_decode, Q8_CONFIGS)   # $LLMLAB_Q8_DECODE, a
 DEFAULT_Q8_CONFIG = "gluon-n32-w1-s2"
 GLUON_FALLBACK = "prmt-n128-w4-s2"  # where the Gluon kernel does not run (CPU, other head sizes)
 SMALL_TILE_Q8_CONFIG = "gluon-n16-w1-s2"
-# the shortest context range an 8-bit decode split takes (kernels.decode_num_splits)
-Q8_MIN_SPLIT_TOKENS = 256
+# The shortest context range an 8-bit decode split takes (kernels.decode_num_splits): a
+# 1,000-token context splits in two, 512 tokens do not. H200, 2026-12-05, int8 (`bench
+# decode-variants --engine`, ms): 64 x 512 one split 0.0244, two 0.0258; 64 x 1000 two
+# splits 0.0422 (the best of 1-8); 32 x 2000 four 0.0418 / 0.0434, two 0.0508 / 0.0433.
+Q8_MIN_SPLIT_TOKENS = 500
 
 
 def small_tiles_win(num_programs: int, num_splits: int) -> bool:
     """Whether 16-token tiles beat 32-token ones for a step of `num_programs` (sequence, kv
-    head) pairs run in `num_splits` splits: (measured: PLACEHOLDER)."""
+    head) pairs run in `num_splits` splits: when the batch alone gives 1,024 programs or more
+    (8 per SM on 132 SMs; no split). H200, 2026-12-05, int8, ms at 16 / 32-token tiles: 128 x
+    1000, one split, 0.0713 / 0.0976 and 0.0737 / 0.0980 (two calls); 256 x 1000 one split,
+    16-token tiles the best of 1-8 splits (0.1408). Where a step is split, 32-token tiles win
+    (64 x 4096, two splits: 0.1393 against 0.1511)."""
     return num_splits == 1 and num_programs >= 1024
 
 
