@@ -1,6 +1,7 @@
 """The 8-bit decode-attention variants: how codes become numbers and how the context is
 tiled, by name. `llmlab bench decode-variants` times them all; `knobs.q8_decode` ($LLMLAB_Q8_DECODE; or
-`q8_config(name)`) picks one; `decode_attention.decode_attention` runs it."""
+`q8_config(name)`) picks one for every step, else `default_q8_config` picks by the step's shape;
+`decode_attention.decode_attention` runs it."""
 from __future__ import annotations
 
 import dataclasses
