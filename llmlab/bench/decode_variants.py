@@ -124,9 +124,9 @@ def run(out_path=None, shapes=((64, 4096), (64, 512)), configs=None, splits=(1, 
                 config = Q8_CONFIGS[name]
                 if layout == "head" and (config.dequant != "gluon" or not on_gpu):  # where Gluon runs
                     continue
-                row = dict(variant=prefix + name + ("" if layout == "slot" else " (head-major scales)"), cache=cache_name,
-                           num_splits=num_splits, dequant=config.dequant, scale_layout=layout,
-                           block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **shape)
+                label = prefix + name + ("" if layout == "slot" else " (head-major scales)")
+                row = dict(variant=label, cache=cache_name, num_splits=num_splits, dequant=config.dequant,
+                           scale_layout=layout, block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **shape)
 
                 def make_call(i, name=name, num_splits=num_splits, sets=by_layout[layout]):
                     k, v, t, ks, vs = sets[i % num_sets]

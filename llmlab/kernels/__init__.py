@@ -192,8 +192,9 @@ def prefill_scratch_bytes(quantized: bool) -> int:
     """The most memory a prefill-attention call takes beside its output: over an 8-bit cache
     the Triton kernel may first dequantize the sequences' blocks into a 16-bit scratch
     (`triton/prefill_attention.py`, DEQUANT_SCRATCH_MAX_BYTES); what the runner's memory
-    profile, which runs a 16-bit cache, adds for it."""
-    if not quantized:
+    profile, which runs a 16-bit cache, adds for it; 0 when the prefill config in use
+    ($LLMLAB_PREFILL_CONFIG or the default) converts in the kernel instead."""
+    if not quantized or not prefill_configs.prefill_config().dequant_first:
         return 0
     from .triton.prefill_attention import DEQUANT_SCRATCH_MAX_BYTES
 

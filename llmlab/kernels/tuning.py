@@ -15,7 +15,7 @@ may set a field directly:
 | swiglu_gemm     | LLMLAB_SWIGLU_GEMM   | off     | gate_up and silu_mul in one skinny-GEMM launch for 33-64 rows (measured no faster) |
 | pdl             | LLMLAB_PDL           | on      | programmatic dependent launch of decode kernels on Hopper (triton/pdl.py) |
 | prefetch_kb     | LLMLAB_PREFETCH      | 32      | KB of its weight rows a skinny-GEMM program asks L2 for before its PDL wait (0: none) |
-| q8_decode       | LLMLAB_Q8_DECODE     | (none)  | the 8-bit decode-attention variant by name (triton/q8_configs.py; none: the default; an unknown name fails at import) |
+| q8_decode       | LLMLAB_Q8_DECODE     | (none)  | the 8-bit decode-attention variant by name (triton/q8_configs.py; none: the default for the step's shape; an unknown name fails at import) |
 | cpu_one_row     | LLMLAB_CPU_ONE_ROW   | (none)  | "mkl" or "onednn" for a float32 one-row product on a CPU (none: timed once per process) |
 | sample_graphs   | LLMLAB_SAMPLE_GRAPHS | on      | the Triton sampler's launches replayed as CUDA graphs |
 | sample_block    | LLMLAB_SAMPLE_BLOCK  | 512     | tokens per block in the sampler's passes |

@@ -50,3 +50,16 @@ def test_a_variant_name_from_the_environment_is_checked_when_llmlab_is_imported(
     env = dict(os.environ, LLMLAB_PREFILL_CONFIG="m1-n1")
     done = subprocess.run([sys.executable, "-c", "import llmlab"], env=env, capture_output=True, text=True)
     assert done.returncode != 0 and "LLMLAB_PREFILL_CONFIG='m1-n1' names no variant" in done.stderr
+
+
+def test_the_prefill_scratch_is_reserved_only_where_a_config_makes_one(monkeypatch):
+    """The runner's memory profile adds kernels.prefill_scratch_bytes: the dequantize-first
+    scratch's cap over an 8-bit cache with a -dq config (the default), nothing otherwise."""
+    from llmlab import kernels
+    from llmlab.kernels.triton.prefill_attention import DEQUANT_SCRATCH_MAX_BYTES
+
+    monkeypatch.setattr(kernels.knobs, "prefill_config", None)
+    assert kernels.prefill_scratch_bytes(True) == DEQUANT_SCRATCH_MAX_BYTES
+    assert kernels.prefill_scratch_bytes(False) == 0
+    monkeypatch.setattr(kernels.knobs, "prefill_config", "m128-n128-w8-s3")   # converts in the kernel
+    assert kernels.prefill_scratch_bytes(True) == 0

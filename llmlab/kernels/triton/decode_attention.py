@@ -29,10 +29,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     """One query token per sequence attending to its seq_lens[i] cached tokens (v1, or
     v2 split-K + reduce when num_splits > 1; 0/None picks with choose_num_splits), from a
     full-precision or a quantized cache. See kernels_explained/decode_attention.md.
-    A quantized cache runs the variant q8_variant names (a Q8_CONFIGS name; None: $LLMLAB_Q8_DECODE,
-    else the default for this step's shape, q8_configs.default_q8_config). new_token: (k, v, positions, inv_freq, slot_mapping), full-precision
-    caches only: the bf16 kernel ropes q and k, stores k and v and attends to them from
-    registers (rope_store_decode_attention)."""
+    A quantized cache runs the variant q8_variant names (a Q8_CONFIGS name; None:
+    $LLMLAB_Q8_DECODE, else the default for this step's shape, q8_configs.default_q8_config).
+    new_token: (k, v, positions, inv_freq, slot_mapping), full-precision caches only: the
+    bf16 kernel ropes q and k, stores k and v and attends to them from registers
+    (rope_store_decode_attention)."""
     # q:            [num_seqs, num_heads, head_dim]
     # k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [num_seqs, max_blocks_per_seq] int32
