@@ -146,4 +146,4 @@ class PromptGraphs:
         self.inputs.stage(input_ids, positions, batch, size)
         self.graphs[size].replay()
         hidden, residual = self.outputs[size]
-        return self.model.final_logits(hidden[:n], residual[:n], batch)
+        return self.model.final_logits(hidden[:n], None if residual is None else residual[:n], batch)

@@ -129,7 +129,11 @@ def time_kernels():
 
 
 def _call(name, backend, *args, **kwargs):
-    fn = get_kernel(name, backend)
+    return _run(name, get_kernel(name, backend), *args, **kwargs)
+
+
+def _run(name, fn, *args, **kwargs):
+    """fn(*args, **kwargs), timed under `name` while time_kernels is active."""
     if _timings is None:
         return fn(*args, **kwargs)
     if args[0].is_cuda:
@@ -158,6 +162,45 @@ def swiglu(x, gate_up, *, backend=None):
         if fused is not None:
             return fused
     return silu_mul(linear(x, gate_up, backend=backend), backend=backend)
+
+
+# The kernels a folded step takes over: while any of them is overridden (an exercise, a spy),
+# the model runs them one by one, so the plugged-in kernel runs.
+_FOLDED_PARTS = ("linear", "rms_norm", "silu_mul")
+
+
+def folds_add_norm(x, *, backend=None) -> bool:
+    """Whether a step whose products take x's rows runs with each rms_norm folded into the
+    product after it and each residual add into the product before it (the model's
+    `folded_decoder_layers`; norm_linear and linear_residual below): the Triton backend on a
+    GPU, at the rows its own products take (1 and 33-64), with none of linear, rms_norm and
+    silu_mul overridden, and knobs.fold_norms on (triton/linear.py)."""
+    return ((backend or default_backend()) == "triton" and not any(name in _overrides for name in _FOLDED_PARTS)
+            and _triton_module("linear").folds(x))
+
+
+def norm_linear(x, norm_weight, eps, weight, bias=None, *, backend=None):
+    """linear(rms_norm(x, norm_weight, eps), weight, bias): one launch where folds_add_norm(x)
+    and there is no bias (the row's 1 / rms scales the product's sum instead of x, so the
+    bits differ from the pair's in the last place of bf16), else the pair."""
+    if bias is None and folds_add_norm(x, backend=backend):
+        out = _run("norm_linear", _triton_module("linear").norm_linear, x, norm_weight, eps, weight)
+        if out is not None:
+            return out
+    return linear(rms_norm(x, norm_weight, eps, backend=backend), weight, bias, backend=backend)
+
+
+def linear_residual(x, weight, residual, *, silu_mul_first=False, backend=None):
+    """residual + linear(x, weight), the product rounded to x's dtype before the sum (as
+    rms_norm's residual add takes it); of silu_mul(x) with silu_mul_first. One launch where
+    folds_add_norm(x) (at 33-64 rows silu_mul stays its own), else the parts."""
+    if folds_add_norm(x, backend=backend):
+        out = _run("linear_residual", _triton_module("linear").linear_residual, x, weight, residual, silu_mul_first)
+        if out is not None:
+            return out
+    if silu_mul_first:
+        x = silu_mul(x, backend=backend)
+    return linear(x, weight, backend=backend) + residual
 
 
 def prepack(weights) -> None:

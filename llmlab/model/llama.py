@@ -7,7 +7,9 @@ chunk, then one token per decoding sequence. Each layer is
                         -> o_proj -> rms_norm(+residual) -> gate_up -> silu_mul -> down
 
 (a decode-only batch without flash-decoding splits runs rope, store_kv and decode attention
-as one kernel, `rope_store_decode_attention`)
+as one kernel, `rope_store_decode_attention`; a GPU decode step of 1 or 33-64 sequences runs
+each rms_norm inside the product after it and each residual add inside the product before
+it, `folded_decoder_layers`)
 
 built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton: the
 batch's `backend`, chosen by the engine's runner) or a single kernel changes what runs
@@ -68,6 +70,9 @@ class LayerWeights:
 
 
 class LlamaModel:
+    # whether a GPU decode step may run folded_decoder_layers (a tensor-parallel shard: no)
+    fold_add_norm = True
+
     def __init__(self, config: ModelConfig, embed, layers, norm, lm_head):
         self.config = config
         self.embed = embed          # [vocab, hidden]
@@ -95,6 +100,8 @@ class LlamaModel:
         a few layers, and passes this pair on to the next stage."""
         if self.plugged_layers is not None:
             return self._plugged_decoder_layers(hidden, residual, positions, batch, kv_cache, kv_scales)
+        if self._folds(hidden, batch):
+            return self.folded_decoder_layers(hidden, residual, positions, batch, kv_cache, kv_scales)
         cfg, b = self.config, batch.backend
         for i, layer in enumerate(self.layers):
             x, residual = self.input_norm(layer, hidden, residual, b)
@@ -105,6 +112,29 @@ class LlamaModel:
             hidden = self.mlp(layer, x, b)
             self._tap(f"layers.{i}.mlp", hidden)
         return hidden, residual
+
+    def folded_decoder_layers(self, hidden, residual, positions, batch: ForwardBatch, kv_cache, kv_scales=None):
+        """The same layers with each rms_norm folded into the product after it (qkv, gate_up)
+        and each residual add into the product before it (o_proj, down; at one row silu_mul
+        too): what a GPU decode step of 1 or 33-64 sequences runs (`kernels.folds_add_norm`),
+        65 launches fewer (97 at one row). The residual stream h is the whole state between
+        the products: (h, None) out, and final_logits folds the last norm into lm_head."""
+        b, eps = batch.backend, self.config.rms_norm_eps
+        h = hidden if residual is None else hidden + residual
+        for i, layer in enumerate(self.layers):
+            scales = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            qkv = kernels.norm_linear(h, layer.input_norm, eps, layer.qkv, layer.qkv_bias, backend=b)
+            out = self.attend(i, qkv, positions, batch, kv_cache[i, 0], kv_cache[i, 1], *scales)
+            h = kernels.linear_residual(out, layer.o_proj, h, backend=b)
+            gate_up = kernels.norm_linear(h, layer.post_norm, eps, layer.gate_up, backend=b)
+            h = kernels.linear_residual(gate_up, layer.down, h, silu_mul_first=True, backend=b)
+        return h, None
+
+    def _folds(self, x, batch: ForwardBatch) -> bool:
+        """Whether this forward folds its norms and residual adds (folded_decoder_layers): not
+        while hook points record (the folded path has no normalized x to show) nor in a
+        tensor-parallel shard (an all-reduce stands between o_proj and the add)."""
+        return self.fold_add_norm and self.taps is None and kernels.folds_add_norm(x, backend=batch.backend)
 
     def with_decoder_layer(self, decoder_layer) -> "LlamaModel":
         """This model, its layers run by `decoder_layer` (the plug-in point of exercise 15:
@@ -128,7 +158,12 @@ class LlamaModel:
         """Only the last token of each sequence that samples needs the final norm and the
         vocab projection: logits [S, vocab], float32."""
         idx, eps = batch.logits_indices, self.config.rms_norm_eps
-        if idx.shape[0] == hidden.shape[0]:
+        if residual is None:   # a folded step's residual stream
+            last = hidden[idx]
+            if self._folds(last, batch):
+                return kernels.norm_linear(last, self.norm, eps, self.lm_head, backend=batch.backend).to(LOGITS_DTYPE)
+            last = kernels.rms_norm(last, self.norm, eps, backend=batch.backend)
+        elif idx.shape[0] == hidden.shape[0]:
             # every row samples (a decode step): normalizing them all costs the same, and
             # one gather of the result replaces a gather of hidden and one of the residual
             last = kernels.rms_norm(hidden, self.norm, eps, residual, backend=batch.backend)[0][idx]

@@ -175,6 +175,7 @@ class TensorParallelShard(LlamaModel):
     part of a result meets the other ranks' parts. Set `tp_group` before the first forward."""
 
     tp_group: TensorParallelGroup
+    fold_add_norm = False   # the residual add waits for the all-reduce after o_proj and down
 
     def embedding(self, input_ids):
         return self.tp_group.embedding(input_ids, self.embed)        # vocab-parallel table

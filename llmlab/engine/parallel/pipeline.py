@@ -143,7 +143,8 @@ def run_stage(model: LlamaModel, layout: RankLayout, batches: list[MicroBatch], 
         if spans is not None:      # before the send: the next stage cannot start before this end
             spans.append(StageSpan(step, layout.rank, layout.stage, m, num_tokens, start, _clock(device, spans)))
         if not layout.is_last_stage:
-            activations = torch.stack((hidden, residual))
+            # a folded step (model.folded_decoder_layers) hands on its residual stream alone
+            activations = torch.stack((hidden, torch.zeros_like(hidden) if residual is None else residual))
             pending.append((dist.isend(activations, dst=layout.next_rank), activations))
         elif layout.rank == 0:
             logits.append(out)

@@ -70,8 +70,15 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, norm_ptr, residual_ptr, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False):
+    """y[n] = w[n] . x, and the steps folded around it (kernels_explained/gemv.md):
+    NORM: x is RMS-normalized first, its weight at norm_ptr (the row's scale, known only after
+    the whole of K, is applied to the sum: y = (w . (x * norm)) * rsqrt(mean(x^2) + eps));
+    SWIGLU: x is silu_mul's input [gate | up] of 2K and the product is of silu(gate) * up;
+    RESIDUAL: y + residual[n] is stored, rounded as the unfused add."""
     wait_for_previous_grid(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -80,33 +87,65 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_k
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")   # each weight is read once
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs).to(tl.float32)
+            if SWIGLU:
+                up = tl.load(x_ptrs + K).to(tl.float32)
+            if NORM:
+                scale = tl.load(norm_ptr + k + offs_k).to(tl.float32)
         else:
             k_ok = offs_k + k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if SWIGLU:
+                up = tl.load(x_ptrs + K, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                scale = tl.load(norm_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if SWIGLU:   # the roundings of triton/silu_mul, in its order
+            silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * scale
+        acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    if RESIDUAL:   # round the product first, as linear's output would be, then the sum
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + offs_n).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] (or [K]), weight [N, K] with unit stride along K -> [1, N] (x's dtype)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
+         norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+         swiglu: bool = False) -> torch.Tensor:
+    """x [1, K] (or [K]), weight [N, K] with unit stride along K -> [1, N] (x's dtype).
+
+    Folded in, each optional: `norm` (weight [K]) and `eps`: x is rms_norm(x, norm, eps)
+    first; `swiglu`: x is [1, 2K], and silu_mul(x) is multiplied; `residual` [1, N]: the result
+    is residual + x W^T."""
     n, k = weight.shape
     config = config or config_for(n, k)
-    assert x.shape[-1] == k and x.numel() == k, f"gemv takes one row of {k}, got {tuple(x.shape)}"
+    width = 2 * k if swiglu else k
+    assert x.shape[-1] == width and x.numel() == width, f"gemv takes one row of {width}, got {tuple(x.shape)}"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    x = x.reshape(k)
+    x = x.reshape(width)
     if x.stride(0) != 1:
         x = x.contiguous()
+    if norm is not None:
+        assert norm.shape == (k,) and norm.is_contiguous(), f"norm weight must be [{k}], got {tuple(norm.shape)}"
+    if residual is not None:
+        assert residual.numel() == n and residual.dtype == x.dtype, "residual must be one row of the output"
+        residual = residual.reshape(n).contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, y, n, k, weight.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
+        x, weight, y, n, k, weight.stride(0), x if norm is None else norm, x if residual is None else residual,
+        float(eps), BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
+        NORM=norm is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return y

@@ -46,40 +46,61 @@ _split_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 @triton.jit
 def _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, k_lo, k_hi,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, norm_ptr, eps, NORM: tl.constexpr):
     """acc[BLOCK_M, BLOCK_N] = x[:, k_lo:k_hi] @ w[offs_n, k_lo:k_hi]^T in fp32 (k_lo and
-    k_hi at whole BLOCK_K slices; the slice past K is masked unless EVEN_K)."""
+    k_hi at whole BLOCK_K slices; the slice past K is masked unless EVEN_K). NORM (the whole
+    of K in one program): of rms_norm(x) with its weight at norm_ptr, each row's scale applied
+    to the sum: (x * norm) @ w^T * rsqrt(mean(x^2) + eps)."""
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     rows = tl.where(offs_n < N, offs_n, 0)    # features past N re-read row 0 and are never stored
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, eviction_policy="evict_first")
+            if NORM:
+                scale = tl.load(norm_ptr + k + offs_k).to(tl.float32)
         else:
             k_ok = offs_k + k < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if NORM:
+                scale = tl.load(norm_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = (xf * scale[None, :]).to(x_ptr.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if NORM:
+        acc = acc * tl.rsqrt(squares / K + eps)[:, None]
     return acc
 
 
 @triton.jit
-def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n):
+def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL: tl.constexpr):
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if RESIDUAL:   # round the product first, as linear's output would be, then the sum
+        residual = tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        norm_ptr, residual_ptr, stride_rm, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                        NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
                         PREFETCH_LINES: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+    """y = x @ w^T over tiles of BLOCK_N features; NORM (SPLIT_K 1 only): of rms_norm(x) with
+    the weight at norm_ptr; RESIDUAL: y + residual is stored (see _tile_product, _store_tile)."""
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,8 +109,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
     wait_for_previous_grid(USE_PDL)
     if SPLIT_K == 1:   # the whole of K in this program; ws_ptr and counter_ptr are unused
         acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, 0, K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
-        _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n)
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, norm_ptr, eps, NORM)
+        _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL)
     else:
         # program (pid_n, pid_k) takes slices [pid_k * S / SPLIT_K, (pid_k + 1) * S / SPLIT_K)
         # of the S = cdiv(K, BLOCK_K): shares differ by one slice at most, and are empty
@@ -99,7 +120,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
         k_lo = (pid_k * slices // SPLIT_K) * BLOCK_K
         k_hi = ((pid_k + 1) * slices // SPLIT_K) * BLOCK_K
         acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, k_lo, k_hi,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, norm_ptr, eps, False)
         # the partial goes to workspace[pid_k, :, tile] (padded: no masks), then the tile's
         # counter counts it; the barrier makes every thread's stores come before the count
         n_pad = tl.num_programs(0) * BLOCK_N
@@ -115,7 +136,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws_tile + s * BLOCK_M * n_pad, cache_modifier=".cg")
-            _store_tile(y_ptr, total, M, N, stride_ym, offs_m, offs_n)
+            _store_tile(y_ptr, total, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL)
             tl.store(counter_ptr + pid_n, 0)   # the next call (or graph replay) starts at 0
 
 
@@ -204,8 +225,13 @@ def config_for(n: int, k: int) -> GemvConfig:
     return GemvConfig(64, 128, 4, 5)
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] with 1 <= M <= 64, weight [N, K] (unit stride along K) -> [M, N] (x's dtype)."""
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
+                norm: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] with 1 <= M <= 64, weight [N, K] (unit stride along K) -> [M, N] (x's dtype).
+
+    Folded in, each optional: `norm` (weight [K]) and `eps`: x is rms_norm(x, norm, eps)
+    first (tiles without split-K only); `residual` [M, N]: the result is residual + x W^T."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k, f"skinny_gemm takes 1..{MAX_ROWS} rows of {k}"
@@ -213,6 +239,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
     if x.stride(1) != 1:
         x = x.contiguous()
     config = config or config_for(n, k)
+    if norm is not None:
+        assert norm.shape == (k,) and norm.is_contiguous(), f"norm weight must be [{k}], got {tuple(norm.shape)}"
+        assert config.split_k == 1, "a split-K tile sees part of a row: it cannot normalize it"
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.dtype == x.dtype, "residual must match the output"
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     n_tiles = triton.cdiv(n, config.block_n)
     block_m = max(16, triton.next_power_of_2(m))
@@ -222,8 +255,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
         workspace, counters = _split_k_buffers(x.device, config.split_k, n_tiles * config.block_n, n_tiles)
     _skinny_gemm_kernel[(n_tiles, config.split_k)](
         x, weight, y, workspace, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        x if norm is None else norm, y if residual is None else residual,
+        0 if residual is None else residual.stride(0), float(eps),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT_K=config.split_k, PREFETCH_LINES=prefetch_lines(x, config.block_n, k * weight.element_size()),
+        SPLIT_K=config.split_k, NORM=norm is not None, RESIDUAL=residual is not None,
+        PREFETCH_LINES=prefetch_lines(x, config.block_n, k * weight.element_size()),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return y

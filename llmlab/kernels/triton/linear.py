@@ -6,6 +6,11 @@ rows (a decode batch) to the skinny GEMM (dense/skinny_gemm.py): on the H200 eac
 fast as cuBLAS or faster on every Llama-3-8B weight, and both take programmatic dependent
 launch (triton/pdl.py), which cuBLAS's kernels do not. knobs.gemv off (LLMLAB_GEMV=0): cuBLAS
 for all rows.
+
+Those two kernels also take the steps around a product (`folds`, kernels.norm_linear and
+kernels.linear_residual): the rms_norm before qkv, gate_up and lm_head, the residual add after
+o_proj and down, and at one row the silu_mul before down, so a decode step runs 65 (one row:
+97) launches fewer. knobs.fold_norms off (LLMLAB_FOLD_NORMS=0): each its own launch.
 See kernels_explained/gemv.md.
 """
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from .. import torch_backend
 from ..dense import gemv, skinny_gemm   # modules, so that tests can watch their functions
 from ..tuning import knobs
+from . import silu_mul as triton_silu_mul
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 _SKINNY_ROWS = 64
@@ -50,3 +56,41 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
     if knobs.swiglu_gemm and _triton_rows(x, gate_up) and x.shape[0] > _CUBLAS_ROWS:
         return skinny_gemm.swiglu_gemm(x, gate_up)
     return None
+
+
+def folds(x: torch.Tensor) -> bool:
+    """Whether a step whose products take x's rows runs them with the norm and the residual
+    add folded in: on a GPU at the rows the GEMV (1) or the skinny GEMM (33-64) takes."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    return (knobs.fold_norms and knobs.gemv and x.is_cuda and x.dtype in _GEMV_DTYPES
+            and (rows == 1 or _CUBLAS_ROWS < rows <= _SKINNY_ROWS))
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return weight.dtype == x.dtype and weight.stride(-1) == 1 and 1 <= x.shape[0] <= _SKINNY_ROWS
+
+
+def norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor | None:
+    """linear(rms_norm(x, norm, eps), weight) in one launch, for rows that `folds` (None for a
+    weight the kernels do not take: the contract's norm_linear then runs the pair)."""
+    if not _takes(x, weight):
+        return None
+    norm = norm.contiguous()
+    if x.shape[0] == 1:
+        return gemv.gemv(x, weight, norm=norm, eps=eps)
+    return skinny_gemm.skinny_gemm(x, weight, norm=norm, eps=eps)
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                    silu_mul_first: bool = False) -> torch.Tensor | None:
+    """residual + linear(x, weight) (of silu_mul(x) with silu_mul_first) for rows that `folds`:
+    one launch, silu_mul included at one row; 33-64 rows run silu_mul first (folded into the
+    skinny GEMM, each program would read all of x's gate and up halves: 4x the bytes of a
+    tile of down's weight). None for a weight the kernels do not take."""
+    if not _takes(x, weight):
+        return None
+    if x.shape[0] == 1:
+        return gemv.gemv(x, weight, residual=residual, swiglu=silu_mul_first)
+    if silu_mul_first:
+        x = triton_silu_mul.silu_mul(x)
+    return skinny_gemm.skinny_gemm(x, weight, residual=residual)
