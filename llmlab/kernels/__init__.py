@@ -179,15 +179,17 @@ def folds_add_norm(x, *, backend=None) -> bool:
             and _triton_module("linear").folds(x))
 
 
-def norm_linear(x, norm_weight, eps, weight, bias=None, *, backend=None):
-    """linear(rms_norm(x, norm_weight, eps), weight, bias): one launch where folds_add_norm(x)
-    and there is no bias (the row's 1 / rms scales the product's sum instead of x, so the
-    bits differ from the pair's in the last place of bf16), else the pair."""
+def norm_linear(x, norm_weight, eps, weight, bias=None, *, out_dtype=None, backend=None):
+    """linear(rms_norm(x, norm_weight, eps), weight, bias), then .to(out_dtype) if given (the
+    logits' float32): one launch where folds_add_norm(x) and there is no bias (the row's
+    1 / rms scales the product's sum instead of x, so the bits differ from the pair's in the
+    last place of bf16), else the pair."""
     if bias is None and folds_add_norm(x, backend=backend):
-        out = _run("norm_linear", _triton_module("linear").norm_linear, x, norm_weight, eps, weight)
+        out = _run("norm_linear", _triton_module("linear").norm_linear, x, norm_weight, eps, weight, out_dtype)
         if out is not None:
             return out
-    return linear(rms_norm(x, norm_weight, eps, backend=backend), weight, bias, backend=backend)
+    out = linear(rms_norm(x, norm_weight, eps, backend=backend), weight, bias, backend=backend)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def linear_residual(x, weight, residual, *, silu_mul_first=False, backend=None):

@@ -161,7 +161,8 @@ class LlamaModel:
         if residual is None:   # a folded step's residual stream
             last = hidden[idx]
             if self._folds(last, batch):
-                return kernels.norm_linear(last, self.norm, eps, self.lm_head, backend=batch.backend).to(LOGITS_DTYPE)
+                return kernels.norm_linear(last, self.norm, eps, self.lm_head, out_dtype=LOGITS_DTYPE,
+                                           backend=batch.backend)
             last = kernels.rms_norm(last, self.norm, eps, backend=batch.backend)
         elif idx.shape[0] == hidden.shape[0]:
             # every row samples (a decode step): normalizing them all costs the same, and

@@ -163,3 +163,17 @@ def test_gpu_folded_products_and_step_agree_with_the_pairs(monkeypatch):
         assert len(same) >= 0.9 * batch, (batch, len(same))   # bf16: a near tie may go either way
         for a, b in same:
             assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=0.05)
+
+
+def test_folded_products_round_to_x_dtype_before_a_float32_output():
+    """out_dtype float32 (the logits): the values are the product's in x's dtype, widened."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 96, generator=gen).half()
+    norm = torch.randn(96, generator=gen).half()
+    for rows in (1, 40):
+        x = torch.randn(rows, 96, generator=gen).half()
+        run = gemv if rows == 1 else skinny_gemm
+        got = run(x, weight, norm=norm, eps=EPS, out_dtype=torch.float32)
+        half = run(x, weight, norm=norm, eps=EPS)
+        assert got.dtype == torch.float32 and half.dtype == torch.float16
+        assert torch.equal(got, half.float())

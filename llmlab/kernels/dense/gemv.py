@@ -118,17 +118,19 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, norm_ptr, residual_ptr, e
         y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if RESIDUAL:   # round the product first, as linear's output would be, then the sum
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + offs_n).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    # rounded to x's dtype, as a product's output is, whatever y's (float32 logits)
+    tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
          norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         swiglu: bool = False) -> torch.Tensor:
+         swiglu: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [1, K] (or [K]), weight [N, K] with unit stride along K -> [1, N] (x's dtype).
 
     Folded in, each optional: `norm` (weight [K]) and `eps`: x is rms_norm(x, norm, eps)
     first; `swiglu`: x is [1, 2K], and silu_mul(x) is multiplied; `residual` [1, N]: the result
-    is residual + x W^T."""
+    is residual + x W^T; `out_dtype`: the result's (float32 logits), its values still rounded
+    to x's dtype first."""
     n, k = weight.shape
     config = config or config_for(n, k)
     width = 2 * k if swiglu else k
@@ -142,7 +144,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     if residual is not None:
         assert residual.numel() == n and residual.dtype == x.dtype, "residual must be one row of the output"
         residual = residual.reshape(n).contiguous()
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, y, n, k, weight.stride(0), x if norm is None else norm, x if residual is None else residual,
         float(eps), BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,

@@ -83,13 +83,15 @@ def _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, k
 
 
 @triton.jit
-def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL: tl.constexpr):
+def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL: tl.constexpr,
+                x_dtype: tl.constexpr):
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if RESIDUAL:   # round the product first, as linear's output would be, then the sum
         residual = tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
+        acc = acc.to(x_dtype).to(tl.float32) + residual.to(tl.float32)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    # rounded to x's dtype, as a product's output is, whatever y's (float32 logits)
+    tl.store(y_ptrs, acc.to(x_dtype).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -110,7 +112,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
     if SPLIT_K == 1:   # the whole of K in this program; ws_ptr and counter_ptr are unused
         acc = _tile_product(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, offs_m, offs_n, 0, K,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, norm_ptr, eps, NORM)
-        _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL)
+        _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL,
+                    x_ptr.dtype.element_ty)
     else:
         # program (pid_n, pid_k) takes slices [pid_k * S / SPLIT_K, (pid_k + 1) * S / SPLIT_K)
         # of the S = cdiv(K, BLOCK_K): shares differ by one slice at most, and are empty
@@ -136,7 +139,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, strid
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws_tile + s * BLOCK_M * n_pad, cache_modifier=".cg")
-            _store_tile(y_ptr, total, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL)
+            _store_tile(y_ptr, total, M, N, stride_ym, offs_m, offs_n, residual_ptr, stride_rm, RESIDUAL,
+                        x_ptr.dtype.element_ty)
             tl.store(counter_ptr + pid_n, 0)   # the next call (or graph replay) starts at 0
 
 
@@ -227,11 +231,12 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
                 norm: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] with 1 <= M <= 64, weight [N, K] (unit stride along K) -> [M, N] (x's dtype).
 
     Folded in, each optional: `norm` (weight [K]) and `eps`: x is rms_norm(x, norm, eps)
-    first (tiles without split-K only); `residual` [M, N]: the result is residual + x W^T."""
+    first (tiles without split-K only); `residual` [M, N]: the result is residual + x W^T;
+    `out_dtype`: the result's (float32 logits), its values still rounded to x's dtype first."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k, f"skinny_gemm takes 1..{MAX_ROWS} rows of {k}"
@@ -246,7 +251,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
         assert residual.shape == (m, n) and residual.dtype == x.dtype, "residual must match the output"
         if residual.stride(1) != 1:
             residual = residual.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     n_tiles = triton.cdiv(n, config.block_n)
     block_m = max(16, triton.next_power_of_2(m))
     if config.split_k == 1:

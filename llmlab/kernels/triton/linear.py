@@ -70,15 +70,16 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.dtype == x.dtype and weight.stride(-1) == 1 and 1 <= x.shape[0] <= _SKINNY_ROWS
 
 
-def norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor | None:
-    """linear(rms_norm(x, norm, eps), weight) in one launch, for rows that `folds` (None for a
-    weight the kernels do not take: the contract's norm_linear then runs the pair)."""
+def norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """linear(rms_norm(x, norm, eps), weight).to(out_dtype) in one launch, for rows that `folds`
+    (None for a weight the kernels do not take: the contract's norm_linear then runs the pair)."""
     if not _takes(x, weight):
         return None
     norm = norm.contiguous()
     if x.shape[0] == 1:
-        return gemv.gemv(x, weight, norm=norm, eps=eps)
-    return skinny_gemm.skinny_gemm(x, weight, norm=norm, eps=eps)
+        return gemv.gemv(x, weight, norm=norm, eps=eps, out_dtype=out_dtype)
+    return skinny_gemm.skinny_gemm(x, weight, norm=norm, eps=eps, out_dtype=out_dtype)
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
