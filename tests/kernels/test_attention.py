@@ -132,6 +132,22 @@ def test_decode_attention_more_splits_than_tiles(backend):
     check_decode_attention(backend, torch.float32, 4, 1, 128, 16, [1, 100], num_splits=5)
 
 
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["combined-in-launch", "combine-kernel"])
+def test_split_decode_attention_combines_its_ranges(monkeypatch, in_kernel):
+    """The Triton kernel's splits are combined by the last program of each (sequence, kv head)
+    (or by flash_decoding.combine after it): the reference's result either way, empty splits
+    included, and every counter back at 0 for the next call or graph replay."""
+    from llmlab.kernels.triton import decode_attention_bf16
+
+    monkeypatch.setattr(decode_attention_bf16, "COMBINE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(decode_attention_bf16, "_counters", {})
+    for seq_lens, splits in (([1, 100, 37], 5), ([70, 3], 2)):
+        check_decode_attention("triton", torch.float32, 8, 2, 64, 16, seq_lens, splits)
+    counters = decode_attention_bf16._counters.get(torch.device("cpu"))
+    assert (counters is not None) == in_kernel
+    assert counters is None or not counters.any()
+
+
 def test_torch_decode_attention_groups_sequences_by_length():
     """Short and long contexts in one batch: the torch backend gathers them in groups of
     similar length (each padded only to its own longest), out of batch order."""

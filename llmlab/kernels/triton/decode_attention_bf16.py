@@ -7,7 +7,8 @@ them to all query heads of the GQA group at once, as the rows of one `tl.dot` (p
 to 16 rows, the smallest the tensor cores take). When there are too few such programs
 to fill the GPU and the context is long, v2 also splits the context into `num_splits`
 ranges of whole tiles: each program writes its range's normalized partial output and
-log-sum-exp, and a second kernel combines the ranges (Dao et al., "Flash-Decoding").
+log-sum-exp, and the last program of each (sequence, kv head) to finish combines its
+ranges (Dao et al., "Flash-Decoding", whose reduce is a second kernel).
 
 From a quantized cache (int8 or fp8 codes, one float32 scale per token per kv head) a
 tile is dequantized in registers, folded into the two products: codes convert exactly to
@@ -130,10 +131,10 @@ def _decode_attention_kernel(
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_table, stride_kns, stride_knh, stride_vns, stride_vnh,
-    num_heads, num_queries_per_kv, num_splits,
+    num_heads, num_queries_per_kv, num_splits, counters_ptr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, ROPE: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    COMBINE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous_grid(USE_PDL)
     seq = tl.program_id(0)
@@ -197,9 +198,49 @@ def _decode_attention_kernel(
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=head_ok)
+        if COMBINE:
+            # the last of the (sequence, kv head)'s split programs to finish combines them all
+            # (the skinny GEMM's split-K pattern, dense/skinny_gemm.py): the barrier puts every
+            # thread's stores before the count, and .cg reads L2, where the others' stores are
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                first = (seq * num_heads + heads).to(tl.int64) * num_splits
+                lse_max = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)   # finite if every split was empty
+                for other in range(num_splits):
+                    lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + first + other, mask=head_ok,
+                                                          other=float("-inf"), cache_modifier=".cg"))
+                total = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+                for other in range(num_splits):
+                    weight = tl.exp2(tl.load(partial_lse_ptr + first + other, mask=head_ok, other=float("-inf"),
+                                             cache_modifier=".cg") - lse_max)
+                    partial = tl.load(partial_out_ptr + (first + other)[:, None] * HEAD_DIM + offs_d[None, :],
+                                      mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
+                    total += weight
+                    acc += weight[:, None] * partial
+                out = acc / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+                tl.store(counter, 0)   # the next call (or graph replay) starts at 0
     else:
         tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+# Split steps combine their ranges in the attention launch itself (COMBINE), one launch fewer
+# than flash_decoding.combine after it, while a step's (sequence, kv head) pairs fit the
+# counters: one int32 each, per device, made on the first (eager) call, so graph capture
+# allocates nothing, and left at 0 by every call. False: the combine kernel (bench A/B).
+COMBINE_IN_KERNEL = True
+MAX_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def _launch_config(head_dim, dtype, device):
@@ -240,6 +281,8 @@ def decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, nu
     block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
     split = num_splits > 1
     partial_out, partial_lse = partials(q, num_splits) if split else (out, out)  # unused when SPLIT=False
+    in_kernel = split and COMBINE_IN_KERNEL and num_seqs * num_kv_heads <= MAX_COUNTERS
+    counters = _split_counters(q.device) if in_kernel else seq_lens   # not read without COMBINE
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,
         k_new, v_new, positions, inv_freq, slot_mapping,
@@ -249,13 +292,13 @@ def decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, nu
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
         block_tables.stride(0), *new_strides,
-        num_heads, group, num_splits,
+        num_heads, group, num_splits, counters,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only affects fp32 inputs
-        QUANTIZED=quantized, ROPE=new_token is not None, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(q),
+        QUANTIZED=quantized, ROPE=new_token is not None, COMBINE=in_kernel, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(q),
     )
-    if split:
+    if split and not in_kernel:
         combine(partial_out, partial_lse, out, num_splits)
     return out
