@@ -12,7 +12,8 @@ may set a field directly:
 | field           | variable             | default | what it does |
 |-----------------|----------------------|---------|--------------|
 | gemv            | LLMLAB_GEMV          | on      | GPU decode steps: 1 row to the Triton GEMV, 33-64 rows to the skinny GEMM (off: cuBLAS) |
-| fold_norms      | LLMLAB_FOLD_NORMS    | on      | GPU decode steps of 1 or 33-64 rows: rms_norm and the residual add folded into the GEMV / skinny GEMM (triton/linear.py) |
+| fold_norms      | LLMLAB_FOLD_NORMS    | off     | GPU decode steps of 1 or 33-64 rows: rms_norm and the residual add folded into the GEMV / skinny GEMM (triton/linear.py; not yet timed on a GPU) |
+| combine_in_launch | LLMLAB_COMBINE_IN_LAUNCH | off | split decode attention (16-bit cache) combines its ranges in its own launch, not a second kernel (triton/decode_attention_bf16.py; not yet timed on a GPU) |
 | swiglu_gemm     | LLMLAB_SWIGLU_GEMM   | off     | gate_up and silu_mul in one skinny-GEMM launch for 33-64 rows (measured no faster) |
 | pdl             | LLMLAB_PDL           | on      | programmatic dependent launch of decode kernels on Hopper (triton/pdl.py) |
 | prefetch_kb     | LLMLAB_PREFETCH      | 32      | KB of its weight rows a skinny-GEMM program asks L2 for before its PDL wait (0: none) |
@@ -37,7 +38,8 @@ import os
 from dataclasses import dataclass
 
 ENVIRONMENT = {   # field -> the variable that sets it
-    "gemv": "LLMLAB_GEMV", "fold_norms": "LLMLAB_FOLD_NORMS", "swiglu_gemm": "LLMLAB_SWIGLU_GEMM", "pdl": "LLMLAB_PDL",
+    "gemv": "LLMLAB_GEMV", "fold_norms": "LLMLAB_FOLD_NORMS", "combine_in_launch": "LLMLAB_COMBINE_IN_LAUNCH",
+    "swiglu_gemm": "LLMLAB_SWIGLU_GEMM", "pdl": "LLMLAB_PDL",
     "prefetch_kb": "LLMLAB_PREFETCH", "q8_decode": "LLMLAB_Q8_DECODE", "cpu_one_row": "LLMLAB_CPU_ONE_ROW",
     "sample_graphs": "LLMLAB_SAMPLE_GRAPHS", "sample_block": "LLMLAB_SAMPLE_BLOCK",
     "sample_warps": "LLMLAB_SAMPLE_WARPS", "sample_programs": "LLMLAB_SAMPLE_PROGRAMS",
@@ -49,7 +51,8 @@ ENVIRONMENT = {   # field -> the variable that sets it
 @dataclass
 class Knobs:
     gemv: bool = True
-    fold_norms: bool = True
+    fold_norms: bool = False
+    combine_in_launch: bool = False
     swiglu_gemm: bool = False
     pdl: bool = True
     prefetch_kb: int = 32

@@ -7,9 +7,9 @@ chunk, then one token per decoding sequence. Each layer is
                         -> o_proj -> rms_norm(+residual) -> gate_up -> silu_mul -> down
 
 (a decode-only batch without flash-decoding splits runs rope, store_kv and decode attention
-as one kernel, `rope_store_decode_attention`; a GPU decode step of 1 or 33-64 sequences runs
-each rms_norm inside the product after it and each residual add inside the product before
-it, `folded_decoder_layers`)
+as one kernel, `rope_store_decode_attention`; with `knobs.fold_norms` a GPU decode step of
+1 or 33-64 sequences runs each rms_norm inside the product after it and each residual add
+inside the product before it, `folded_decoder_layers`)
 
 built from `llmlab.kernels`, so swapping the backend (reference, torch or Triton: the
 batch's `backend`, chosen by the engine's runner) or a single kernel changes what runs
@@ -116,9 +116,10 @@ class LlamaModel:
     def folded_decoder_layers(self, hidden, residual, positions, batch: ForwardBatch, kv_cache, kv_scales=None):
         """The same layers with each rms_norm folded into the product after it (qkv, gate_up)
         and each residual add into the product before it (o_proj, down; at one row silu_mul
-        too): what a GPU decode step of 1 or 33-64 sequences runs (`kernels.folds_add_norm`),
-        65 launches fewer (97 at one row). The residual stream h is the whole state between
-        the products: (h, None) out, and final_logits folds the last norm into lm_head."""
+        too): what a GPU decode step of 1 or 33-64 sequences runs where `kernels.folds_add_norm`
+        (knobs.fold_norms), 66 launches fewer (98 at one row). The residual stream h is the
+        whole state between the products: (h, None) out, and final_logits folds the last norm
+        into lm_head."""
         b, eps = batch.backend, self.config.rms_norm_eps
         h = hidden if residual is None else hidden + residual
         for i, layer in enumerate(self.layers):

@@ -134,12 +134,12 @@ def test_decode_attention_more_splits_than_tiles(backend):
 
 @pytest.mark.parametrize("in_kernel", [True, False], ids=["combined-in-launch", "combine-kernel"])
 def test_split_decode_attention_combines_its_ranges(monkeypatch, in_kernel):
-    """The Triton kernel's splits are combined by the last program of each (sequence, kv head)
-    (or by flash_decoding.combine after it): the reference's result either way, empty splits
+    """The Triton kernel's splits are combined by flash_decoding.combine after it (or, with
+    knobs.combine_in_launch, by the last program of each (sequence, kv head)): the reference's result either way, empty splits
     included, and every counter back at 0 for the next call or graph replay."""
     from llmlab.kernels.triton import decode_attention_bf16
 
-    monkeypatch.setattr(decode_attention_bf16, "COMBINE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(kernels.knobs, "combine_in_launch", in_kernel)
     monkeypatch.setattr(decode_attention_bf16, "_counters", {})
     for seq_lens, splits in (([1, 100, 37], 5), ([70, 3], 2)):
         check_decode_attention("triton", torch.float32, 8, 2, 64, 16, seq_lens, splits)
@@ -253,7 +253,9 @@ def test_gpu_fp32_attention():
 @pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 1000, 4096, 4100, 333], [32768], [9000, 20000]],
                          ids=["ragged", "32k", "two-long"])
 @pytest.mark.parametrize("num_splits", [1, 7, None])
-def test_gpu_decode_attention(dtype, seq_lens, num_splits):
+@pytest.mark.parametrize("combine_in_launch", [False, True], ids=["combine-kernel", "combined-in-launch"])
+def test_gpu_decode_attention(dtype, seq_lens, num_splits, combine_in_launch, monkeypatch):
+    monkeypatch.setattr(kernels.knobs, "combine_in_launch", combine_in_launch)
     gen = torch.Generator().manual_seed(14)
     k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, HKV, D, dtype, gen, dev="cuda")
     q = randn_view(len(seq_lens), H, D, dtype=dtype, gen=gen, dev="cuda")

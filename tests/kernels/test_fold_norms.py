@@ -63,7 +63,9 @@ def test_skinny_gemm_folds_norm_and_residual(m, n, k):
 
 
 def _folds_on_cpu(monkeypatch):
-    """Let a CPU tensor take the folded path (the interpreter runs the kernels), at the GPU's rows."""
+    """Let a CPU tensor take the folded path (the interpreter runs the kernels), at the GPU's
+    rows, with the knob on."""
+    monkeypatch.setattr(kernels.knobs, "fold_norms", True)
     monkeypatch.setattr(triton_linear, "folds", lambda x: kernels.knobs.fold_norms and x.dim() == 2
                         and (x.shape[0] == 1 or 32 < x.shape[0] <= 64))
 
@@ -116,7 +118,10 @@ def test_folds_only_where_the_kernels_take_the_rows(monkeypatch):
         with kernels.override(**{name: getattr(reference, name)}):
             assert not kernels.folds_add_norm(row, backend="triton")
     monkeypatch.undo()
+    monkeypatch.setattr(kernels.knobs, "fold_norms", True)
     assert not kernels.folds_add_norm(row, backend="triton"), "a CPU tensor never folds"
+    monkeypatch.setattr(kernels.knobs, "fold_norms", False)
+    assert not triton_linear.folds(row)
 
 
 @pytest.mark.gpu

@@ -7,8 +7,8 @@ them to all query heads of the GQA group at once, as the rows of one `tl.dot` (p
 to 16 rows, the smallest the tensor cores take). When there are too few such programs
 to fill the GPU and the context is long, v2 also splits the context into `num_splits`
 ranges of whole tiles: each program writes its range's normalized partial output and
-log-sum-exp, and the last program of each (sequence, kv head) to finish combines its
-ranges (Dao et al., "Flash-Decoding", whose reduce is a second kernel).
+log-sum-exp, and a second kernel combines the ranges (Dao et al., "Flash-Decoding"; with
+knobs.combine_in_launch the last program of each (sequence, kv head) to finish does).
 
 From a quantized cache (int8 or fp8 codes, one float32 scale per token per kv head) a
 tile is dequantized in registers, folded into the two products: codes convert exactly to
@@ -30,6 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from .flash_decoding import combine, partials  # noqa: E402
 from .pdl import launch_options, wait_for_previous_grid  # noqa: E402
+from ..tuning import knobs  # noqa: E402
 
 
 @triton.jit
@@ -228,11 +229,11 @@ def _decode_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-# Split steps combine their ranges in the attention launch itself (COMBINE), one launch fewer
-# than flash_decoding.combine after it, while a step's (sequence, kv head) pairs fit the
-# counters: one int32 each, per device, made on the first (eager) call, so graph capture
-# allocates nothing, and left at 0 by every call. False: the combine kernel (bench A/B).
-COMBINE_IN_KERNEL = True
+# With knobs.combine_in_launch (LLMLAB_COMBINE_IN_LAUNCH=1) split steps combine their ranges
+# in the attention launch itself (COMBINE), one launch fewer than flash_decoding.combine after
+# it, while a step's (sequence, kv head) pairs fit the counters: one int32 each, per device,
+# made on the first (eager) call, so graph capture allocates nothing, and left at 0 by every
+# call. Off until timed on a GPU.
 MAX_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -281,7 +282,7 @@ def decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, nu
     block_n, num_warps, num_stages = _launch_config(head_dim, q.dtype, q.device)
     split = num_splits > 1
     partial_out, partial_lse = partials(q, num_splits) if split else (out, out)  # unused when SPLIT=False
-    in_kernel = split and COMBINE_IN_KERNEL and num_seqs * num_kv_heads <= MAX_COUNTERS
+    in_kernel = split and knobs.combine_in_launch and num_seqs * num_kv_heads <= MAX_COUNTERS
     counters = _split_counters(q.device) if in_kernel else seq_lens   # not read without COMBINE
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scales, v_scales,

@@ -7,10 +7,11 @@ fast as cuBLAS or faster on every Llama-3-8B weight, and both take programmatic 
 launch (triton/pdl.py), which cuBLAS's kernels do not. knobs.gemv off (LLMLAB_GEMV=0): cuBLAS
 for all rows.
 
-Those two kernels also take the steps around a product (`folds`, kernels.norm_linear and
+Those two kernels can also take the steps around a product (`folds`, kernels.norm_linear and
 kernels.linear_residual): the rms_norm before qkv, gate_up and lm_head, the residual add after
-o_proj and down, and at one row the silu_mul before down, so a decode step runs 65 (one row:
-97) launches fewer. knobs.fold_norms off (LLMLAB_FOLD_NORMS=0): each its own launch.
+o_proj and down, at one row the silu_mul before down, and the logits' cast to float32, so a
+decode step runs 66 (one row: 98) launches fewer. knobs.fold_norms (LLMLAB_FOLD_NORMS=1)
+turns it on; off until timed on a GPU.
 See kernels_explained/gemv.md.
 """
 from __future__ import annotations
