@@ -7,10 +7,16 @@ scheduling, as a server runs them) that mix decodes with a prompt: for each batc
 B requests decode at the first --seq-lens context while, before every step, a new P-token
 prompt arrives (max_tokens 1: it is read and answered in that step). Milliseconds per step
 in steady state, P = 0 (decodes alone) first: what a prompt's arrival costs every running
-stream, the tail of a server's time between tokens."""
+stream, the tail of a server's time between tokens.
+
+--knobs S1 S2 ... times settings of `kernels.knobs` side by side in one process, the same-run
+peers of a fast path behind a knob (e.g. --knobs fold_norms=0 fold_norms=1): for each, in
+turn, --knob-rounds times, the engine is built again on the same weights (building 8B random
+weights once takes minutes), so its warm-up and CUDA graphs follow the setting."""
 from __future__ import annotations
 
 from llmlab.bench.common import LLAMA3_8B, median_ms, random_engine, random_hf_model, write_json
+from llmlab.kernels.tuning import knobs_set, parse_setting
 
 
 def add_arguments(parser) -> None:
@@ -28,6 +34,11 @@ def add_arguments(parser) -> None:
                         help="no CUDA graphs (the peer for --tp, whose steps are eager)")
     parser.add_argument("--mixed-prompt-lens", default="",
                         help="comma-separated prompt lengths: also time engine steps of decodes plus one such prompt")
+    parser.add_argument("--knobs", nargs="+", default=[], metavar="SETTING",
+                        help="time these kernels.knobs settings side by side, each field=value[,field=value] "
+                             "(e.g. fold_norms=0 fold_norms=1): the engine is built again on the same weights "
+                             "for each (its CUDA graphs captured under it), in turn, --knob-rounds times")
+    parser.add_argument("--knob-rounds", type=int, default=2, help="rounds over the --knobs settings")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size: shard llmlab's model over this many GPUs "
                              "(the HF peer stays on one)")
@@ -141,9 +152,13 @@ def hf_cells(model, batch_size, seq_len, do_prefill, vocab):
 
 
 def main(args) -> list[dict]:
+    import gc
+
     import torch
 
+    from llmlab import LLMEngine
     from llmlab.config import ModelConfig
+    from llmlab.llm import LLM
 
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
@@ -151,6 +166,11 @@ def main(args) -> list[dict]:
     # each cell again against the engine built)
     for seq_len in seq_lens:
         check_seq_len(seq_len, ModelConfig.from_hf(LLAMA3_8B).context_length)
+    settings = [parse_setting(spec) for spec in args.knobs]   # a typo fails before the weights are built
+    if settings and args.tp > 1:
+        raise ValueError("--knobs builds the engine again for each setting: tensor parallel (--tp) is not supported")
+    if args.knob_rounds < 1:
+        raise ValueError(f"--knob-rounds must be at least 1, got {args.knob_rounds}")
     if not torch.cuda.is_available():
         raise ValueError("single-forward times GPU forwards; it needs a CUDA device")
     mixed = sorted({0, *(int(x) for x in args.mixed_prompt_lens.split(",") if x)}) if args.mixed_prompt_lens else []
@@ -166,13 +186,26 @@ def main(args) -> list[dict]:
                                                               max(batch_sizes) + max(mixed, default=0)))
     engine = llm.engine
     cells = [(b, s) for b in batch_sizes for s in seq_lens]
-    results = []
+    results, mixed_rows = [], []
     impl = "llmlab" + (f" (tp={args.tp})" if args.tp > 1 else "") + (" eager" if args.enforce_eager else "")
-    for b, s in cells:
-        p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max, args.profile)
-        results.append({"impl": impl, "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
-    mixed_rows = [{"impl": impl, "batch_size": b, "seq_len": seq_lens[0], "prompt_len": p,
-                   "step_ms": mixed_steps(engine, b, seq_lens[0], p)} for b in batch_sizes for p in mixed]
+    runs = [(f" [{spec}] #{r + 1}", values)
+            for r in range(args.knob_rounds) for spec, values in zip(args.knobs, settings)]
+    for label, values in runs or [("", {})]:
+        with knobs_set(values):
+            if label:   # the same weights; warm-up and graphs under this setting
+                parts = engine.config, engine.model, engine.tokenizer
+                del llm, engine
+                gc.collect()   # the old engine's cache and graphs go before the new one's are made
+                torch.cuda.empty_cache()
+                llm = LLM.from_engine(LLMEngine(parts[0], model=parts[1], tokenizer=parts[2]))
+                engine = llm.engine
+                del parts
+            name = impl + label
+            for b, s in cells:
+                p, d = llmlab_cells(engine, b, s, b * s <= args.prefill_tokens_max, args.profile)
+                results.append({"impl": name, "batch_size": b, "seq_len": s, "prefill_ms": p, "decode_ms": d})
+            mixed_rows += [{"impl": name, "batch_size": b, "seq_len": seq_lens[0], "prompt_len": p,
+                            "step_ms": mixed_steps(engine, b, seq_lens[0], p)} for b in batch_sizes for p in mixed]
     if not args.no_hf:
         if engine.executor is not None:   # tensor parallel: free the other GPUs' workers now
             engine.executor.shutdown()
@@ -191,9 +224,11 @@ def main(args) -> list[dict]:
         print(f"| {r['impl']} | {r['batch_size']} | {r['seq_len']} | {p} | {r['decode_ms']:.2f} |")
     if mixed_rows:
         print(f"\nengine steps: decodes at context {seq_lens[0]} plus one new prompt a step")
-        print("| batch | prompt tokens | ms per step | vs decodes alone |\n|---|---|---|---|")
+        print("| impl | batch | prompt tokens | ms per step | vs decodes alone |\n|---|---|---|---|---|")
         for r in mixed_rows:
-            alone = next(m["step_ms"] for m in mixed_rows if m["batch_size"] == r["batch_size"] and not m["prompt_len"])
-            print(f"| {r['batch_size']} | {r['prompt_len']} | {r['step_ms']:.2f} | {r['step_ms'] / alone:.2f}x |")
+            alone = next(m["step_ms"] for m in mixed_rows if m["impl"] == r["impl"]
+                         and m["batch_size"] == r["batch_size"] and not m["prompt_len"])
+            print(f"| {r['impl']} | {r['batch_size']} | {r['prompt_len']} | {r['step_ms']:.2f} | "
+                  f"{r['step_ms'] / alone:.2f}x |")
     write_json(args.out, {"device": name, "results": results, "mixed_steps": mixed_rows}, indent=2)
     return results

@@ -33,6 +33,7 @@ dtype, ...) are `EngineConfig` fields instead.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -95,6 +96,31 @@ def check_variant(field: str, value: str | None, catalogue: dict) -> None:
     kernel call on a GPU."""
     if value is not None and value not in catalogue:
         raise ValueError(f"{ENVIRONMENT[field]}={value!r} names no variant; known: {', '.join(sorted(catalogue))}")
+
+
+def parse_setting(spec: str) -> dict:
+    """A knob setting as a benchmark's command line gives it, `field=value[,field=value...]`
+    (each value as its variable spells it: fold_norms=1), as {field: value}."""
+    values = {}
+    for part in spec.split(","):
+        field, sep, text = (piece.strip() for piece in part.partition("="))
+        if not sep or field not in ENVIRONMENT or not text:
+            raise ValueError(f"knob setting {part!r}: use field=value with a field of {', '.join(ENVIRONMENT)}")
+        values[field] = getattr(Knobs.from_environment({ENVIRONMENT[field]: text}), field)
+    return values
+
+
+@contextlib.contextmanager
+def knobs_set(values: dict):
+    """`knobs` with these fields set inside the `with` block, as they were after it."""
+    saved = {field: getattr(knobs, field) for field in values}
+    for field, value in values.items():
+        setattr(knobs, field, value)
+    try:
+        yield
+    finally:
+        for field, value in saved.items():
+            setattr(knobs, field, value)
 
 
 knobs = Knobs.from_environment()

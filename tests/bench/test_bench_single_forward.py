@@ -43,3 +43,25 @@ def test_mixed_steps_time_decodes_with_a_prompt_arriving_each_step_and_leave_not
         assert mixed_steps(engine, 2, 20, prompt_len, steps=3) > 0
         assert not engine.has_unfinished_requests() and not engine.requests
         assert_all_blocks_free(engine)
+
+
+def test_knob_settings_are_checked_before_anything_is_built(capsys):
+    """--knobs: a setting that names no knob (or no value) fails with the knobs' names, before
+    the CUDA check and the weights; each value is read as its variable is."""
+    from llmlab.kernels import knobs
+    from llmlab.kernels.tuning import knobs_set, parse_setting
+
+    for bad in ("fold_norm=1", "fold_norms", "fold_norms="):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", "single-forward", "--batch-sizes", "1", "--knobs", bad])
+        assert exit_info.value.code == 2
+        assert "use field=value with a field of gemv, fold_norms" in capsys.readouterr().err
+    assert parse_setting("fold_norms=1, prefetch_kb=0") == {"fold_norms": True, "prefetch_kb": 0}
+    assert parse_setting("gemv=0") == {"gemv": False}
+    before = knobs.fold_norms
+    with knobs_set({"fold_norms": not before}):
+        assert knobs.fold_norms is (not before)
+    assert knobs.fold_norms is before
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "single-forward", "--batch-sizes", "1", "--knobs", "gemv=0", "--tp", "2"])
+    assert "tensor parallel" in capsys.readouterr().err

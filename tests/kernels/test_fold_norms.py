@@ -77,7 +77,7 @@ def test_folded_decode_steps_give_the_unfolded_tokens(monkeypatch):
     greedy tokens as with knobs.fold_norms off and as the torch backend; a student's rms_norm
     plugged in turns the fold off, so it runs."""
     from llmlab import SamplingParams
-    from tests.helpers.engine import cpu_engine, run_all, tiny_model, tiny_prompt
+    from helpers.engine import cpu_engine, run_all, tiny_model, tiny_prompt
 
     _folds_on_cpu(monkeypatch)
     model = tiny_model(seed=2)
@@ -131,7 +131,7 @@ def test_gpu_folded_products_and_step_agree_with_the_pairs(monkeypatch):
     from llmlab.config import EngineConfig, ModelConfig
     from llmlab.engine.engine import LLMEngine
     from llmlab import SamplingParams
-    from tests.helpers.engine import SMALL_LLAMA3, run_all
+    from helpers.engine import SMALL_LLAMA3, run_all
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((6144, 4096), (28672, 4096), (4096, 4096), (4096, 14336)):
@@ -144,7 +144,8 @@ def test_gpu_folded_products_and_step_agree_with_the_pairs(monkeypatch):
             got = kernels.norm_linear(x, norm, EPS, weight, backend="triton")
             torch.testing.assert_close(got.float(), pair.float(), rtol=2e-2, atol=2e-2)
             got = kernels.linear_residual(x, weight, residual, backend="triton")
-            torch.testing.assert_close(got.float(), (residual + kernels.linear(x, weight)).float(), rtol=2e-2, atol=2e-2)
+            expected = residual + kernels.linear(x, weight)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
             if rows == 1 and k == 4096:
                 gate_up = torch.randn(1, 2 * k, generator=gen, device="cuda").bfloat16()
                 expected = residual + kernels.linear(kernels.silu_mul(gate_up), weight)
