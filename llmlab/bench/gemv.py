@@ -1,6 +1,7 @@
 """gemv: one row (a batch-1 decode step) or a few (a batch) times each weight of the
 Llama-3-8B shape, cuBLAS against the Triton GEMV's variants (one row) or the skinny GEMM's
-tiles (2-64 rows), in TB/s of weight bytes.
+tiles (2-64 rows, as the engine uses it; up to 256 without split-K, beside cuBLAS at a large
+decode batch), in TB/s of weight bytes.
 
 Each weight is copied until the copies outgrow the L2 cache, and the calls cycle through
 them inside one CUDA graph, as a decode step's layers do: what is timed is weights coming
@@ -10,6 +11,7 @@ from HBM, without launch gaps. Every variant's result is checked against F.linea
     llmlab bench gemv --shapes 256x512 --configs n16-k512-w4-s2   # CPU: the interpreter, a check
     llmlab bench gemv --rows 64 --shapes 4096x4096 --skinny-configs n32-k256-w4-s4,n128-k128-w4-s4-split4
     llmlab bench gemv --rows 128,192,256 --skinny-configs none   # cuBLAS at a large decode batch
+    llmlab bench gemv --rows 128,192,256 --shapes 6144x4096      # the skinny GEMM's grid beside it
 
 On the H200 each row also gives TFLOP/s and the share of its bound, max(bytes / 4.27 TB/s,
 FLOPs / 790 TFLOP/s), that the time reaches (`experiments/roofline.py`'s ceilings): where a
@@ -37,19 +39,20 @@ SPLIT_K_CANDIDATES = ("n128-k128-w4-s4-split4", "n128-k128-w8-s4-split4", "n128-
                       "n128-k128-w8-s4-split8", "n64-k256-w4-s3-split4")
 
 
-def skinny_configs(args):
-    """The skinny GEMM's tiles to time: --skinny-configs (GemvConfig names, nN-kK-wW-sS with
-    an optional -splitS), else a grid of those that fit in shared memory and the split-K
-    candidates."""
+def skinny_configs(args, rows: int = 64):
+    """The skinny GEMM's tiles to time at `rows` rows: --skinny-configs (GemvConfig names,
+    nN-kK-wW-sS with an optional -splitS), else a grid of those whose stages fit in shared
+    memory, and up to 64 rows the split-K candidates (the kernel splits K for 64 rows at most)."""
     from llmlab.kernels.dense.gemv import GemvConfig
 
     if args.skinny_configs == "none":
         return []
     if args.skinny_configs:
         return [GemvConfig.from_name(name) for name in args.skinny_configs.split(",")]
+    padded = max(64, 1 << (rows - 1).bit_length())
     grid = [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
-            for st in (3, 4, 5) if (w == 4 or n == 128) and (64 + n) * bk * 2 * st <= 200 * 1024]
-    return grid + [GemvConfig.from_name(name) for name in SPLIT_K_CANDIDATES]
+            for st in (3, 4, 5) if (w == 4 or n == 128 or padded > 64) and (padded + n) * bk * 2 * st <= 200 * 1024]
+    return grid + ([GemvConfig.from_name(name) for name in SPLIT_K_CANDIDATES] if rows <= 64 else [])
 
 
 def main(args) -> list[dict]:
@@ -83,7 +86,7 @@ def main(args) -> list[dict]:
                 methods += [(f"triton {c.name}", lambda w, x=x, c=c: gemv(x, w, c)) for c in configs]
             else:
                 methods += [(f"skinny {c.name}", lambda w, x=x, c=c: skinny_gemm(x, w, c))
-                            for c in skinny_configs(args)]
+                            for c in skinny_configs(args, m)]
             for name, fn in methods:
                 try:
                     got = fn(weights[0])

@@ -251,3 +251,22 @@ def test_prefetch_lines(monkeypatch):
     assert pdl.prefetch_lines(x, 32, 8192) == 16
     monkeypatch.setattr(kernels.knobs, "prefetch_kb", 0)    # LLMLAB_PREFETCH=0
     assert pdl.prefetch_lines(x, 32, 8192) == 0
+
+
+@pytest.mark.slow
+def test_skinny_gemm_takes_up_to_256_rows_without_split_k():
+    """Past the engine's 64 rows (the bench times 128-256 against cuBLAS): one tile holds every
+    row, padded to a power of two; a split-K tile still takes 64 at most."""
+    from llmlab.kernels.dense.gemv import GemvConfig
+    from llmlab.kernels.dense.skinny_gemm import MORE_ROWS, skinny_gemm
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 96, generator=gen)
+    for m in (100, MORE_ROWS):
+        x = torch.randn(m, 96, generator=gen)
+        torch.testing.assert_close(skinny_gemm(x, weight, GemvConfig(32, 64, 4, 3)), F.linear(x, weight),
+                                   rtol=1e-5, atol=1e-4)
+    with pytest.raises(AssertionError, match="1..64 rows"):
+        skinny_gemm(torch.zeros(65, 96), weight, GemvConfig(32, 64, 4, 3, split_k=2))
+    with pytest.raises(AssertionError, match=f"1..{MORE_ROWS} rows"):
+        skinny_gemm(torch.zeros(MORE_ROWS + 1, 96), weight, GemvConfig(32, 64, 4, 3))

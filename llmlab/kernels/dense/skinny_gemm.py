@@ -33,6 +33,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 MAX_ROWS = 64
+# The kernel holds all of x's rows in one tile: the engine sends it 33-64 (triton/linear.py);
+# `llmlab bench gemv --rows 128,192,256` times tiles without split-K up to MORE_ROWS against
+# cuBLAS, the rows of the offline benchmark's large decode steps (kernels_explained/gemv.md).
+MORE_ROWS = 256
 # Split-K scratch, per (device, split count, padded N, tiles): never freed, so a CUDA graph
 # that captured a launch keeps reading live memory. The first (eager) call of a tiling
 # allocates it for MAX_ROWS rows whatever its own row count, so graph capture, which always
@@ -232,18 +236,20 @@ def config_for(n: int, k: int) -> GemvConfig:
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
                 norm: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] with 1 <= M <= 64, weight [N, K] (unit stride along K) -> [M, N] (x's dtype).
+    """x [M, K] with 1 <= M <= 64 (up to MORE_ROWS without split-K), weight [N, K] (unit
+    stride along K) -> [M, N] (x's dtype).
 
     Folded in, each optional: `norm` (weight [K]) and `eps`: x is rms_norm(x, norm, eps)
     first (tiles without split-K only); `residual` [M, N]: the result is residual + x W^T;
     `out_dtype`: the result's (float32 logits), its values still rounded to x's dtype first."""
     m, k = x.shape
     n = weight.shape[0]
-    assert 1 <= m <= MAX_ROWS and weight.shape[1] == k, f"skinny_gemm takes 1..{MAX_ROWS} rows of {k}"
+    config = config or config_for(n, k)
+    most = MAX_ROWS if config.split_k > 1 else MORE_ROWS
+    assert 1 <= m <= most and weight.shape[1] == k, f"skinny_gemm takes 1..{most} rows of {k} with this tile"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or config_for(n, k)
     if norm is not None:
         assert norm.shape == (k,) and norm.is_contiguous(), f"norm weight must be [{k}], got {tuple(norm.shape)}"
         assert config.split_k == 1, "a split-K tile sees part of a row: it cannot normalize it"
