@@ -49,10 +49,15 @@ def skinny_configs(args, rows: int = 64):
         return []
     if args.skinny_configs:
         return [GemvConfig.from_name(name) for name in args.skinny_configs.split(",")]
-    padded = max(64, 1 << (rows - 1).bit_length())
-    grid = [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
-            for st in (3, 4, 5) if (w == 4 or n == 128 or padded > 64) and (padded + n) * bk * 2 * st <= 200 * 1024]
-    return grid + ([GemvConfig.from_name(name) for name in SPLIT_K_CANDIDATES] if rows <= 64 else [])
+    if rows <= 64:
+        grid = [GemvConfig(n, bk, w, st) for n in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
+                for st in (3, 4, 5) if (w == 4 or n == 128) and (64 + n) * bk * 2 * st <= 200 * 1024]
+        return grid + [GemvConfig.from_name(name) for name in SPLIT_K_CANDIDATES]
+    # past 64 rows: every row in one tile (padded to a power of two) or tiles of 64 / 128 rows
+    padded = 1 << (rows - 1).bit_length()
+    return [GemvConfig(n, bk, w, st, block_m=bm) for bm in (0, 64, 128) if bm < padded
+            for n in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)
+            if ((bm or padded) + n) * bk * 2 * st <= 200 * 1024]
 
 
 def main(args) -> list[dict]:

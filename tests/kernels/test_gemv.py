@@ -228,9 +228,10 @@ def test_split_k_tiles_of_another_width_and_the_same_padded_n_get_their_own_coun
 def test_config_names_round_trip():
     from llmlab.kernels.dense.gemv import GemvConfig
 
-    for name in ("n16-k256-w4-s3", "n128-k128-w8-s4-split8"):
+    for name in ("n16-k256-w4-s3", "n128-k128-w8-s4-split8", "n64-k64-w8-s3-m128"):
         assert GemvConfig.from_name(name).name == name
     assert GemvConfig.from_name("n64-k128-w4-s5-split2").split_k == 2
+    assert GemvConfig.from_name("n64-k128-w4-s5-m64") == GemvConfig(64, 128, 4, 5, 1, 64)
     assert GemvConfig.from_name("n64-k128-w4-s5").split_k == 1
     with pytest.raises(ValueError):
         GemvConfig.from_name("n64-k128-split2")
@@ -256,7 +257,8 @@ def test_prefetch_lines(monkeypatch):
 @pytest.mark.slow
 def test_skinny_gemm_takes_up_to_256_rows_without_split_k():
     """Past the engine's 64 rows (the bench times 128-256 against cuBLAS): one tile holds every
-    row, padded to a power of two; a split-K tile still takes 64 at most."""
+    row, padded to a power of two, or block_m rows each; a split-K tile still takes 64 at most
+    and does not split rows."""
     from llmlab.kernels.dense.gemv import GemvConfig
     from llmlab.kernels.dense.skinny_gemm import MORE_ROWS, skinny_gemm
 
@@ -264,9 +266,12 @@ def test_skinny_gemm_takes_up_to_256_rows_without_split_k():
     weight = torch.randn(40, 96, generator=gen)
     for m in (100, MORE_ROWS):
         x = torch.randn(m, 96, generator=gen)
-        torch.testing.assert_close(skinny_gemm(x, weight, GemvConfig(32, 64, 4, 3)), F.linear(x, weight),
-                                   rtol=1e-5, atol=1e-4)
+        for config in (GemvConfig(32, 64, 4, 3), GemvConfig(32, 64, 4, 3, block_m=32), GemvConfig.from_name(
+                "n16-k32-w4-s2-m64")):   # every row in one tile, or tiles of 32 / 64 rows (the last one short)
+            torch.testing.assert_close(skinny_gemm(x, weight, config), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     with pytest.raises(AssertionError, match="1..64 rows"):
         skinny_gemm(torch.zeros(65, 96), weight, GemvConfig(32, 64, 4, 3, split_k=2))
+    with pytest.raises(AssertionError, match="not both"):
+        skinny_gemm(torch.zeros(8, 96), weight, GemvConfig(32, 64, 4, 3, split_k=2, block_m=16))
     with pytest.raises(AssertionError, match=f"1..{MORE_ROWS} rows"):
         skinny_gemm(torch.zeros(MORE_ROWS + 1, 96), weight, GemvConfig(32, 64, 4, 3))

@@ -34,19 +34,22 @@ class GemvConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1   # the skinny GEMM only: programs per output tile along K (the GEMV has none)
+    block_m: int = 0   # the skinny GEMM only: rows per tile (0: every row in one tile)
 
     @property
     def name(self) -> str:
         split = f"-split{self.split_k}" if self.split_k != 1 else ""
-        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}{split}"
+        rows = f"-m{self.block_m}" if self.block_m else ""
+        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}{split}{rows}"
 
     @classmethod
     def from_name(cls, name: str) -> "GemvConfig":
-        """The config a `name` spells: nN-kK-wW-sS, optionally -splitS."""
-        match = re.fullmatch(r"n(\d+)-k(\d+)-w(\d+)-s(\d+)(?:-split(\d+))?", name)
+        """The config a `name` spells: nN-kK-wW-sS, optionally -splitS or -mM."""
+        match = re.fullmatch(r"n(\d+)-k(\d+)-w(\d+)-s(\d+)(?:-split(\d+))?(?:-m(\d+))?", name)
         if match is None:
-            raise ValueError(f"not a config name (nN-kK-wW-sS[-splitS]): {name!r}")
-        return cls(*(int(part) for part in match.groups(default="1")))
+            raise ValueError(f"not a config name (nN-kK-wW-sS[-splitS][-mM]): {name!r}")
+        *tile, split, rows = match.groups()
+        return cls(*(int(part) for part in tile), int(split or 1), int(rows or 0))
 
 
 GEMV_CONFIGS = {c.name: c for c in (

@@ -100,15 +100,18 @@ def _store_tile(y_ptr, acc, M, N, stride_ym, offs_m, offs_n, residual_ptr, strid
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        norm_ptr, residual_ptr, stride_rm, eps,
+                        norm_ptr, residual_ptr, stride_rm, eps, m_tiles,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1,
                         NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
                         PREFETCH_LINES: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
     """y = x @ w^T over tiles of BLOCK_N features; NORM (SPLIT_K 1 only): of rms_norm(x) with
-    the weight at norm_ptr; RESIDUAL: y + residual is stored (see _tile_product, _store_tile)."""
-    pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    the weight at norm_ptr; RESIDUAL: y + residual is stored (see _tile_product, _store_tile).
+    m_tiles > 1 (SPLIT_K 1 only): BLOCK_M rows a tile, the row tiles of one weight tile in
+    consecutive programs, so that the weight tile is read from HBM once and from L2 after."""
+    pid_m = tl.program_id(0) % m_tiles
+    pid_n = tl.program_id(0) // m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT_K == 1:  # the first bytes of this tile's weight rows, while the previous kernel finishes
         prefetch_weight_rows(w_ptr, tl.where(offs_n < N, offs_n, 0), stride_wn, K, PREFETCH_LINES)
@@ -247,6 +250,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
     config = config or config_for(n, k)
     most = MAX_ROWS if config.split_k > 1 else MORE_ROWS
     assert 1 <= m <= most and weight.shape[1] == k, f"skinny_gemm takes 1..{most} rows of {k} with this tile"
+    assert not (config.block_m and config.split_k > 1), "a tile splits K or rows, not both"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -260,14 +264,17 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     n_tiles = triton.cdiv(n, config.block_n)
     block_m = max(16, triton.next_power_of_2(m))
+    if config.block_m and config.block_m < block_m:
+        block_m = config.block_m
+    m_tiles = triton.cdiv(m, block_m)
     if config.split_k == 1:
         workspace = counters = y   # not read: the SPLIT_K == 1 kernel has no reduction
     else:
         workspace, counters = _split_k_buffers(x.device, config.split_k, n_tiles * config.block_n, n_tiles)
-    _skinny_gemm_kernel[(n_tiles, config.split_k)](
+    _skinny_gemm_kernel[(n_tiles * m_tiles, config.split_k)](
         x, weight, y, workspace, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         x if norm is None else norm, y if residual is None else residual,
-        0 if residual is None else residual.stride(0), float(eps),
+        0 if residual is None else residual.stride(0), float(eps), m_tiles,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SPLIT_K=config.split_k, NORM=norm is not None, RESIDUAL=residual is not None,
