@@ -21,6 +21,9 @@ Triton kernels run through Triton's interpreter, which llmlab switches on by its
 so a kernel plugged in for either still runs. A decode-only step goes one further:
 `rope_store_decode_attention` is rope_store_kv and decode_attention in one kernel, and runs
 as the two (each through its override or backend) while any of its parts is overridden.
+`norm_linear` and `linear_residual` are not kernels of their own either: rms_norm before a
+product and the residual add after one, which the Triton GEMV and skinny GEMM can fold in
+(`folds_add_norm`, knobs.fold_norms), run as the parts everywhere else.
 """
 from __future__ import annotations
 
