@@ -179,20 +179,22 @@ def main(args) -> list[dict]:
     # mixed steps: the decodes' contexts grow by 2 x 40 steps (+ their prompt's last block), plus one prompt
     mixed_blocks = (max(batch_sizes) * ((seq_lens[0] + 100) // block_size + 2) + max(mixed) // block_size + 2
                     if mixed else 0)
-    llm, hf_config = random_engine(args, num_gpu_blocks=max(max_tokens // block_size + 2 * max(batch_sizes) + 8,
-                                                            mixed_blocks),
-                                   max_num_seqs=max(batch_sizes) + (1 if mixed else 0),
-                                   max_num_batched_tokens=max(min(args.prefill_tokens_max, max_tokens),
-                                                              max(batch_sizes) + max(mixed, default=0)))
+    with knobs_set(settings[0] if settings else {}):   # its warm-up and graphs: the first run's
+        llm, hf_config = random_engine(args,
+                                       num_gpu_blocks=max(max_tokens // block_size + 2 * max(batch_sizes) + 8,
+                                                          mixed_blocks),
+                                       max_num_seqs=max(batch_sizes) + (1 if mixed else 0),
+                                       max_num_batched_tokens=max(min(args.prefill_tokens_max, max_tokens),
+                                                                  max(batch_sizes) + max(mixed, default=0)))
     engine = llm.engine
     cells = [(b, s) for b in batch_sizes for s in seq_lens]
     results, mixed_rows = [], []
     impl = "llmlab" + (f" (tp={args.tp})" if args.tp > 1 else "") + (" eager" if args.enforce_eager else "")
     runs = [(f" [{spec}] #{r + 1}", values)
             for r in range(args.knob_rounds) for spec, values in zip(args.knobs, settings)]
-    for label, values in runs or [("", {})]:
+    for i, (label, values) in enumerate(runs or [("", {})]):
         with knobs_set(values):
-            if label:   # the same weights; warm-up and graphs under this setting
+            if i > 0:   # the same weights; warm-up and graphs under this setting
                 parts = engine.config, engine.model, engine.tokenizer
                 del llm, engine
                 gc.collect()   # the old engine's cache and graphs go before the new one's are made

@@ -173,11 +173,11 @@ _FOLDED_PARTS = ("linear", "rms_norm", "silu_mul")
 
 
 def folds_add_norm(x, *, backend=None) -> bool:
-    """Whether a step whose products take x's rows runs with each rms_norm folded into the
-    product after it and each residual add into the product before it (the model's
-    `folded_decoder_layers`; norm_linear and linear_residual below): the Triton backend on a
-    GPU, at the rows its own products take (1 and 33-64), with none of linear, rms_norm and
-    silu_mul overridden, and knobs.fold_norms on (triton/linear.py)."""
+    """Whether products over x's rows fold each rms_norm into the product after it and each
+    residual add into the product before it (norm_linear and linear_residual below; the
+    model's `folded_decoder_layers` asks for its decode steps): the Triton backend on a GPU,
+    at the rows its own products take (1, and 33-64 in bf16), with none of linear, rms_norm
+    and silu_mul overridden, and knobs.fold_norms on (triton/linear.py)."""
     return ((backend or default_backend()) == "triton" and not any(name in _overrides for name in _FOLDED_PARTS)
             and _triton_module("linear").folds(x))
 

@@ -132,10 +132,12 @@ class LlamaModel:
         return h, None
 
     def _folds(self, x, batch: ForwardBatch) -> bool:
-        """Whether this forward folds its norms and residual adds (folded_decoder_layers): not
-        while hook points record (the folded path has no normalized x to show) nor in a
-        tensor-parallel shard (an all-reduce stands between o_proj and the add)."""
-        return self.fold_add_norm and self.taps is None and kernels.folds_add_norm(x, backend=batch.backend)
+        """Whether this forward folds its norms and residual adds (folded_decoder_layers): a
+        decode step whose rows the kernels fold, not while hook points record (the folded path
+        has no normalized x to show) nor in a tensor-parallel shard (an all-reduce stands
+        between o_proj and the add)."""
+        return (self.fold_add_norm and self.taps is None and batch.num_prefill_tokens == 0
+                and batch.decode_rows is None and kernels.folds_add_norm(x, backend=batch.backend))
 
     def with_decoder_layer(self, decoder_layer) -> "LlamaModel":
         """This model, its layers run by `decoder_layer` (the plug-in point of exercise 15:

@@ -135,8 +135,9 @@ def test_decode_attention_more_splits_than_tiles(backend):
 @pytest.mark.parametrize("in_kernel", [True, False], ids=["combined-in-launch", "combine-kernel"])
 def test_split_decode_attention_combines_its_ranges(monkeypatch, in_kernel):
     """The Triton kernel's splits are combined by flash_decoding.combine after it (or, with
-    knobs.combine_in_launch, by the last program of each (sequence, kv head)): the reference's result either way, empty splits
-    included, and every counter back at 0 for the next call or graph replay."""
+    knobs.combine_in_launch, by the last program of each (sequence, kv head)): the reference's
+    result either way, empty splits included, and every counter back at 0 for the next call
+    or graph replay."""
     from llmlab.kernels.triton import decode_attention_bf16
 
     monkeypatch.setattr(kernels.knobs, "combine_in_launch", in_kernel)

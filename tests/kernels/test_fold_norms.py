@@ -128,11 +128,17 @@ def test_folds_only_where_the_kernels_take_the_rows(monkeypatch):
 def test_gpu_folded_products_and_step_agree_with_the_pairs(monkeypatch):
     """bf16 on a GPU, Llama-3-8B shapes: each folded product against the pair it replaces, and
     a small Llama-3-shaped model's decode step (1 and 48 sequences) folded against unfolded."""
+    from helpers.engine import SMALL_LLAMA3, run_all
+    from llmlab import SamplingParams
     from llmlab.config import EngineConfig, ModelConfig
     from llmlab.engine.engine import LLMEngine
-    from llmlab import SamplingParams
-    from helpers.engine import SMALL_LLAMA3, run_all
+    from llmlab.kernels.dense import gemv as dense_gemv, skinny_gemm as dense_skinny_gemm
 
+    monkeypatch.setattr(kernels.knobs, "fold_norms", True)
+    folded_calls = []
+    for module, name in ((dense_gemv, "gemv"), (dense_skinny_gemm, "skinny_gemm")):
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), **kw: folded_calls.append(
+            sorted(key for key, value in kw.items() if value is not None and value is not False)) or _f(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((6144, 4096), (28672, 4096), (4096, 4096), (4096, 14336)):
         weight = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).bfloat16()
@@ -141,21 +147,32 @@ def test_gpu_folded_products_and_step_agree_with_the_pairs(monkeypatch):
             x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
             residual = torch.randn(rows, n, generator=gen, device="cuda").bfloat16()
             pair = kernels.linear(kernels.rms_norm(x, norm, EPS, backend="triton"), weight, backend="triton")
+            folded_calls.clear()
             got = kernels.norm_linear(x, norm, EPS, weight, backend="triton")
+            assert folded_calls == [["eps", "norm"]], "one launch, the norm folded in"
             torch.testing.assert_close(got.float(), pair.float(), rtol=2e-2, atol=2e-2)
-            got = kernels.linear_residual(x, weight, residual, backend="triton")
             expected = residual + kernels.linear(x, weight)
+            folded_calls.clear()
+            got = kernels.linear_residual(x, weight, residual, backend="triton")
+            assert folded_calls == [["residual"]]
             torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
             if rows == 1 and k == 4096:
                 gate_up = torch.randn(1, 2 * k, generator=gen, device="cuda").bfloat16()
                 expected = residual + kernels.linear(kernels.silu_mul(gate_up), weight)
+                folded_calls.clear()
                 got = kernels.linear_residual(gate_up, weight, residual, silu_mul_first=True, backend="triton")
+                assert folded_calls == [["residual", "swiglu"]]
                 torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
     model = LlamaModel.random(ModelConfig.from_hf(SMALL_LLAMA3), torch.bfloat16, "cuda", seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     prompts = [torch.randint(16, 32000, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(48)]
+
+    folded = []
+    monkeypatch.setattr(LlamaModel, "folded_decoder_layers",
+                        lambda self, h, *a, _f=LlamaModel.folded_decoder_layers: folded.append(h.shape[0])
+                        or _f(self, h, *a))
 
     def run(batch, fold):
         monkeypatch.setattr(kernels.knobs, "fold_norms", fold)
@@ -164,8 +181,13 @@ def test_gpu_folded_products_and_step_agree_with_the_pairs(monkeypatch):
         return run_all(engine, prompts[:batch], params)
 
     for batch in (1, 48):
-        folded, unfolded = run(batch, True), run(batch, False)
-        same = [(a, b) for a, b in zip(folded, unfolded) if a.token_ids == b.token_ids]
+        folded.clear()
+        with_fold = run(batch, True)
+        assert batch in folded, "the decode steps (CUDA graphs: at capture) ran folded"
+        folded.clear()
+        without = run(batch, False)
+        assert not folded
+        same = [(a, b) for a, b in zip(with_fold, without) if a.token_ids == b.token_ids]
         assert len(same) >= 0.9 * batch, (batch, len(same))   # bf16: a near tie may go either way
         for a, b in same:
             assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=0.05)

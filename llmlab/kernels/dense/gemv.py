@@ -120,7 +120,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, norm_ptr, residual_ptr, e
     if NORM:
         y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if RESIDUAL:   # round the product first, as linear's output would be, then the sum
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + offs_n).to(tl.float32)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + offs_n).to(tl.float32)
     # rounded to x's dtype, as a product's output is, whatever y's (float32 logits)
     tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_ok)
 

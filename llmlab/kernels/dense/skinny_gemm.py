@@ -251,6 +251,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None
     most = MAX_ROWS if config.split_k > 1 else MORE_ROWS
     assert 1 <= m <= most and weight.shape[1] == k, f"skinny_gemm takes 1..{most} rows of {k} with this tile"
     assert not (config.block_m and config.split_k > 1), "a tile splits K or rows, not both"
+    assert config.block_m == 0 or (config.block_m >= 16 and config.block_m & (config.block_m - 1) == 0), \
+        f"block_m must be 0 or a power of two >= 16 (tl.dot's rows), got {config.block_m}"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
     if x.stride(1) != 1:
         x = x.contiguous()

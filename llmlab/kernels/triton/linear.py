@@ -61,10 +61,12 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
 
 def folds(x: torch.Tensor) -> bool:
     """Whether a step whose products take x's rows runs them with the norm and the residual
-    add folded in: on a GPU at the rows the GEMV (1) or the skinny GEMM (33-64) takes."""
+    add folded in: on a GPU at the rows the GEMV (1) or the skinny GEMM (33-64) takes. The
+    skinny GEMM's tensor cores take x * norm weight before the row is normalized, rounded to
+    x's dtype: bf16 only there (fp16 could overflow where the normalized row would not)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     return (knobs.fold_norms and knobs.gemv and x.is_cuda and x.dtype in _GEMV_DTYPES
-            and (rows == 1 or _CUBLAS_ROWS < rows <= _SKINNY_ROWS))
+            and (rows == 1 or (_CUBLAS_ROWS < rows <= _SKINNY_ROWS and x.dtype == torch.bfloat16)))
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
