@@ -41,12 +41,16 @@ def _triton_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.linear."""
     # x: [rows, in]; weight: [out, in]; bias: [out] or None; returns [rows, out]
-    if bias is None and _triton_rows(x, weight):
-        if x.shape[0] == 1:
-            return gemv.gemv(x, weight)
-        if x.shape[0] > _CUBLAS_ROWS:
-            return skinny_gemm.skinny_gemm(x, weight)
+    if bias is None and _triton_rows(x, weight) and (x.shape[0] == 1 or x.shape[0] > _CUBLAS_ROWS):
+        return _dense(x, weight)
     return torch_backend.linear(x, weight, bias)
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, **folded) -> torch.Tensor:
+    """x W^T, with the steps `folded` names folded in: the GEMV for one row, else the skinny GEMM."""
+    if x.shape[0] == 1:
+        return gemv.gemv(x, weight, **folded)
+    return skinny_gemm.skinny_gemm(x, weight, **folded)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -79,10 +83,7 @@ def norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.T
     (None for a weight the kernels do not take: the contract's norm_linear then runs the pair)."""
     if not _takes(x, weight):
         return None
-    norm = norm.contiguous()
-    if x.shape[0] == 1:
-        return gemv.gemv(x, weight, norm=norm, eps=eps, out_dtype=out_dtype)
-    return skinny_gemm.skinny_gemm(x, weight, norm=norm, eps=eps, out_dtype=out_dtype)
+    return _dense(x, weight, norm=norm.contiguous(), eps=eps, out_dtype=out_dtype)
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
@@ -94,7 +95,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     if not _takes(x, weight):
         return None
     if x.shape[0] == 1:
-        return gemv.gemv(x, weight, residual=residual, swiglu=silu_mul_first)
+        return _dense(x, weight, residual=residual, swiglu=silu_mul_first)
     if silu_mul_first:
         x = triton_silu_mul.silu_mul(x)
-    return skinny_gemm.skinny_gemm(x, weight, residual=residual)
+    return _dense(x, weight, residual=residual)
