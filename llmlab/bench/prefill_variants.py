@@ -108,7 +108,7 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
         rows.append(row)
         write_json(out_path, {**header_info, "rows": rows})   # after every row: a run cut short keeps them
         rate = f"{row['ms']:.4f} | {row['tflop_s']}" if "ms" in row else f"failed: {row['error'][:80]} |"
-        print(f"| {row['variant']} | {row['cache']} | {row['shape']} | {rate} | {row.get('vs_default', '')} | "
+        print(f"| {row['variant']}{' (' + row['kernel'] + ')' if 'kernel' in row else ''} | {row['cache']} | {row['shape']} | {rate} | {row.get('vs_default', '')} | "
               f"{row.get('max_abs_err', '')}{'' if row.get('ok', True) else ' NOT OK'} |", flush=True)
         return row.get("ms")
 
@@ -126,6 +126,12 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
         seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=device)
         base = dict(shape=shape, seqs=seqs, queries=queries, context=context, flops=flops)
 
+        def kernel(row, config, cache):
+            """Which kernel a -ws config ran: the Gluon one where it applies, else the Triton one."""
+            if config and PREFILL_CONFIGS[config].warp_specialized:
+                row["kernel"] = "gluon" if triton_prefill.runs_gluon(q, cache, cache) else "triton"
+            return row
+
         def calls(sets, config, scales=False):
             def make_call(i):
                 k, v, t, *s = sets[i % num_sets]
@@ -140,8 +146,8 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
                              flops)
         for config in names:
             if not PREFILL_CONFIGS[config].dequant_first:   # over a 16-bit cache, the same as without
-                measure(dict(variant=config, cache=full, **base), calls(caches, config), kv_bytes, expected, flops,
-                        default_ms)
+                measure(kernel(dict(variant=config, cache=full, **base), config, caches[0][0]), calls(caches, config),
+                        kv_bytes, expected, flops, default_ms)
         if on_gpu and seqs == 1 and queries == context:
             _sdpa_peers(measure, base, q, caches[0], seq_lens, block_size, num_heads, kv_bytes, flops, default_ms, full)
         del expected
@@ -152,8 +158,10 @@ def run(out_path=None, shapes=((1, 4096, 4096), (1, 512, 4096)), configs=None, c
                                                    k_scales, v_scales).float()
             q_bytes = kv_bytes // dtype.itemsize * (1 + 4 / head_dim)   # codes and a float32 scale per row
             for config in [None] + names:
-                measure(dict(variant=config or default_name, cache=cache_name, **base),
-                        calls(quantized, config, scales=True), q_bytes, expected, flops, default_ms)
+                row = kernel(dict(variant=config or default_name, cache=cache_name, **base), config, k_codes)
+                if row.get("kernel") == "gluon" and not PREFILL_CONFIGS[config].dequant_first:
+                    row["kernel"] = "triton"   # no scratch: the Triton kernel converts the codes itself
+                measure(row, calls(quantized, config, scales=True), q_bytes, expected, flops, default_ms)
             del quantized, expected
         del caches
         if on_gpu:

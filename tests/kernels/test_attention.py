@@ -228,6 +228,69 @@ def test_gpu_prefill_attention(dtype, seq_lens, query_lens):
     torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
 
 
+def test_warp_specialized_configs_fall_back_to_the_triton_kernel_off_hopper():
+    """Where the Gluon kernel cannot run (here: no GPU) a -ws config runs the Triton kernel
+    with its tiles, and gives the reference's answer."""
+    from llmlab.kernels.gluon import prefill_attention as gluon_prefill
+    from llmlab.kernels.triton import prefill_attention as triton_prefill
+
+    gen = torch.Generator().manual_seed(31)
+    seq_lens, query_lens = [1, 17, 150], [1, 17, 20]
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 16, 2, 64, torch.float32, gen)
+    q = randn_view(sum(query_lens), 4, 64, dtype=torch.float32, gen=gen)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    assert not gluon_prefill.supported(q, k_cache, v_cache)
+    actual = triton_prefill.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 0.125,
+                                              config="m128-n128-w12-s2-ws")
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 0.125)
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+def tma_view(num_tokens, num_heads, head_dim, dtype, gen):
+    """Random queries in a view of a NaN-filled tensor with a spare row and a spare head per
+    row, laid out as the TMA takes them (a head's channels back to back)."""
+    base = torch.full((num_tokens + 1, (num_heads + 1) * head_dim), float("nan"), dtype=dtype, device="cuda")
+    q = base[:num_tokens, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+    return q
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("config", ["m128-n128-w12-s2-ws", "m128-n128-w12-s3-ws"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (32, 8, 128, 16), (32, 8, 128, 32), (8, 8, 64, 16), (12, 4, 64, 128)], ids=["llama3", "block32", "mha64", "gqa3"])
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([4096], [4096]),
+    ([1, 15, 16, 17, 127, 129, 600, 2500], [1, 15, 16, 17, 127, 129, 600, 2500]),
+    ([5000, 300, 1040, 16400], [512, 300, 17, 300]),     # chunks after cached context, one at 16k
+    ([40, 1040] + [1 + 37 * i % 2000 for i in range(98)] + [0] * 200, [40, 17] + [1] * 98 + [0] * 200),
+], ids=["4k", "ragged", "chunked", "graph-step"])
+def test_gpu_warp_specialized_prefill_attention(dtype, config, num_heads, num_kv_heads, head_dim, block_size,
+                                                seq_lens, query_lens, monkeypatch):
+    """The Gluon kernel (gluon/prefill_attention.py) against the reference, and that it ran:
+    lengths off every tile and block size, unowned cache slots NaN (a tile past a sequence's
+    end copies them), queries in a NaN-padded view."""
+    from llmlab.kernels.gluon import prefill_attention as gluon_prefill
+    from llmlab.kernels.triton import prefill_attention as triton_prefill
+
+    launches = []
+    launch = gluon_prefill.launch
+    monkeypatch.setattr(gluon_prefill, "launch", lambda *args, **kw: launches.append(1) or launch(*args, **kw))
+    gen = torch.Generator().manual_seed(29)
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, dev="cuda")
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = tma_view(sum(query_lens), num_heads, head_dim, dtype, gen)
+    scale = head_dim ** -0.5
+    actual = triton_prefill.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale,
+                                              config=config)
+    expected = reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale)
+    assert launches == [1], "the Gluon kernel did not take the problem"
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, attention=True))
+
+
 @gpu
 def test_gpu_fp32_attention():
     """fp32 takes other tile sizes on a GPU (and FMA dots, not tensor cores)."""

@@ -242,6 +242,17 @@ def _launch_config(dtype, device, config=None) -> PrefillConfig:
     return prefill_config(config)
 
 
+def runs_gluon(q, k_cache, v_cache) -> bool:
+    """Whether a warp-specialized config (`-ws`) runs the Gluon kernel on these operands (a
+    16-bit cache, or an 8-bit one's 16-bit scratch), else the Triton kernel with its tiles."""
+    if not q.is_cuda:
+        return False
+    from ..gluon import prefill_attention as gluon_prefill   # imported where it may run (Triton >= 3.5)
+    if k_cache.dtype != q.dtype:   # an 8-bit cache: its scratch, contiguous, in q's dtype (one block of it here)
+        k_cache = v_cache = torch.empty((1, *k_cache.shape[1:]), dtype=q.dtype, device=q.device)
+    return gluon_prefill.supported(q, k_cache, v_cache)
+
+
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                       k_scales=None, v_scales=None, config=None, scratch_in_graphs=False):
     """Causal attention of each sequence's new query tokens over its whole paged context,
@@ -290,6 +301,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         if scratch is not None:   # from here on a 16-bit cache
             (k_cache, v_cache, block_tables), quantized = scratch, False
             k_scales = v_scales = k_cache
+    if launch.warp_specialized:
+        if not quantized and runs_gluon(q, k_cache, v_cache):
+            from ..gluon import prefill_attention as gluon_prefill
+            return gluon_prefill.launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+                                        scale * math.log2(math.e), stages=launch.num_stages)
+        launch = PrefillConfig(launch.block_m, launch.block_n, 8, launch.num_stages)   # the Triton kernel's warps
     heads = _heads_per_program(launch, num_heads // num_kv_heads)
     # Sequence i has cdiv(query_len_i, T) query tiles of T = BLOCK_M / heads tokens, fewer
     # than query_len_i / T + 1, so this bounds the total without reading the lengths on the host.

@@ -23,11 +23,15 @@ class PrefillConfig:
     #                          group is not a power of two or leaves under 16 tokens a tile: one head
     dequant_first: bool = False   # over an 8-bit cache: dequantize the sequences' blocks once into a
     #                               16-bit scratch cache, then run the 16-bit kernel (16-bit caches: no change)
+    warp_specialized: bool = False  # the Gluon kernel for Hopper (gluon/prefill_attention.py): a loader
+    #                                 warpgroup and two consumer warpgroups, 128 x 128 tiles, num_stages
+    #                                 K/V stages; where it does not apply, the Triton kernel with 8 warps
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
-                + ("-gqa" if self.pack_gqa else "") + ("-dq" if self.dequant_first else ""))
+                + ("-gqa" if self.pack_gqa else "") + ("-ws" if self.warp_specialized else "")
+                + ("-dq" if self.dequant_first else ""))
 
 
 # Register use at head size 128, bf16 queries (ptxas -v for sm_90a, Triton 3.6): 128 x 128 tiles
@@ -45,6 +49,11 @@ _VARIANTS = [
     # 16,896 tiles of the 8 kv heads x 32 = 256 there are, 66 times each on average. Once, into
     # a scratch cache, is one pass over the context's codes.
     PrefillConfig(128, 128, 8, 3, dequant_first=True), PrefillConfig(128, 64, 8, 3, dequant_first=True),
+    # FlashAttention-3's structure in Gluon (Hopper only): 12 warps, 2 or 3 stages of K and V
+    # (160 or 224 KB of shared memory). Compiled for sm_90a with Triton 3.6: 168 registers at
+    # launch, the consumers raised to 240 by setmaxnreg, no spills. Not timed yet.
+    PrefillConfig(128, 128, 12, 2, warp_specialized=True), PrefillConfig(128, 128, 12, 3, warp_specialized=True),
+    PrefillConfig(128, 128, 12, 2, warp_specialized=True, dequant_first=True),
 ]
 PREFILL_CONFIGS = {config.name: config for config in _VARIANTS}
 check_variant("prefill_config", knobs.prefill_config, PREFILL_CONFIGS)   # $LLMLAB_PREFILL_CONFIG, at import
