@@ -9,7 +9,7 @@ token_ids_between, prompt_logprobs). Nothing else of llmlab/ is needed.
 
 Task
     This is the class the engine's scheduler calls (llmlab/cache/block_manager.py has the
-    same API). A request's `block_table[i]` is the block holding its tokens
+    same API, and is this exercise's answer: read it after yours passes). A request's `block_table[i]` is the block holding its tokens
     i*block_size .. (i+1)*block_size - 1. Full blocks are shared between requests through
     the prefix cache (vLLM's automatic prefix caching): block i's hash covers every token up
     to the end of block i -- hash((hash of block i-1, tuple of the block's tokens)), block 0

@@ -12,7 +12,8 @@ Task
     Write:
       IncrementalDetokenizer.add_token(token_id)  the text the token completes, "" while a
               character is incomplete. Decoding token by token is wrong (a character split
-              over two tokens decodes to U+FFFD twice, and a leading space can vanish):
+              over two tokens decodes to U+FFFD twice; with a SentencePiece tokenizer, which
+              llmlab also loads, a token's leading space can vanish when decoded alone):
               decode a short window of the recent tokens with and without the newest ones
               and return the difference; a window whose text ends in U+FFFD waits for the
               next token. Work per token must not grow with the output's length.

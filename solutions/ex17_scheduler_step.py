@@ -38,8 +38,8 @@ Task
       4. _schedule_waiting: waiting requests, sorted by policy_key, while budget > 0: a request
          the policy does not admit (self.policy.admit(request, now) is False; only asked
          while some request runs) is passed over; at max_num_seqs running, or when no chunk
-         fits, preempt_for may make room (it returns the budget given back, or None: stop
-         admitting); a request with no block table first looks its prefix up
+         fits, preempt_for may make room (it returns the budget its victim gave back: add it
+         to the budget and try the same request again; None: stop admitting); a request with no block table first looks its prefix up
          (blocks.match_prefix fills its block table and returns the tokens found: set
          num_computed_tokens to them; record plan.prefix_hit_tokens and, unless it was
          preempted before, num_cached_prompt_tokens); then its chunk; admitted: status

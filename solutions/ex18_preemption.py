@@ -11,7 +11,8 @@ written for you. Nothing else of llmlab/ is needed.
 
 Task
     The scheduler (llmlab/scheduler.py) decides *when* to preempt; these functions do the
-    rest (llmlab/preemption.py has the same functions). Write:
+    rest (llmlab/preemption.py has the same functions, and is this exercise's answer: read it
+    after yours passes). Write:
       make_room(scheduler, request, num_tokens, plan, now)   preempt the policy's victims,
               one at a time, until `request` can hold num_tokens (blocks_needed <= free
               blocks). The victim is choose_victim(scheduler, scheduler.running, now) (the

@@ -142,7 +142,8 @@ def main(argv=None) -> int:
                                    f"--impl={args.impl}", "-q", "-rs", "-p", "no:cacheprovider"],
                                   cwd=REPO, capture_output=True, text=True)
         print(capstone.stdout[-3000:], flush=True)
-    print(f"\nllmlab exercises: grading {args.impl}/")
+    mine = os.environ.get("LLMLAB_EXERCISES_DIR") if args.impl == "exercises" else None
+    print(f"\nllmlab exercises: grading {args.impl}/" + (f" (your files first: {mine})" if mine else ""))
     for line in table(grades, args.impl):
         print(line)
     print(f"  {'public names and signatures':26s} {'same as solutions/' if api == 0 else 'DIFFERENT (see above)'}")

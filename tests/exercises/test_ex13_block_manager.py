@@ -68,6 +68,13 @@ def check_invariants(manager, live: list[Request], case: str) -> None:
         expect(manager.block_hash[block] == h, case, f"cached_blocks maps a hash to block {block}, whose "
                                                      f"block_hash is {manager.block_hash[block]}",
                "when a block is evicted, delete its hash from cached_blocks and set block_hash[block] = None")
+    for block, h in enumerate(manager.block_hash):
+        if h is not None and manager.cached_blocks.get(h) != block:
+            expect(False, case, f"block {block} has a hash, but cached_blocks maps that hash to "
+                                f"{manager.cached_blocks.get(h)}",
+                   "a block's hash is the key cached_blocks finds it under: in cache_full_blocks, a hash already "
+                   "cached by another block is left alone (the new block gets no hash), or evicting one of the two "
+                   "later deletes the other's entry")
 
 
 def test_allocate_grows_the_table(ex):
@@ -168,6 +175,43 @@ def test_match_prefix_shares_cached_blocks(ex):
            "leave at least one prompt token to compute (its logits give the first output token): look up at "
            "most (num_tokens - 1) // block_size blocks")
     check_invariants(manager, [a, b, whole], case)
+    partial = request(4, [0, 1, 2, 3, 90, 91, 92, 93, 94, 95])    # its first block cached, its second not
+    manager.match_prefix(partial)
+    expect((manager.prefix_queries, manager.prefix_hits) == (2 + 1 + 2, 2 + 1 + 1), "three lookups' counts",
+           f"prefix_queries {manager.prefix_queries}, prefix_hits {manager.prefix_hits}; expected 5 and 4 (b: 2 "
+           "blocks looked up, 2 found; the 8-token prompt: 1 and 1; a prompt whose second block differs: 2 and 1)",
+           "prefix_queries counts the blocks a lookup could find ((num_tokens - 1) // block_size), prefix_hits "
+           "those it found: kv_stats()['prefix_hit_rate'] is their ratio")
+    logprobs = Request("3", None, list(range(10)), llmlab.SamplingParams(prompt_logprobs=0))
+    found = manager.match_prefix(logprobs)
+    expect(found == 0 and not logprobs.block_table, "a cached prompt that asks for its prompt logprobs",
+           f"match_prefix found {found} tokens", "a request with prompt_logprobs needs every prompt token's logits: "
+           "it finds nothing, and computes its whole prompt")
+    expect((manager.prefix_queries, manager.prefix_hits) == (5, 4), "a cached prompt that asks for its prompt logprobs",
+           f"prefix_queries {manager.prefix_queries}, prefix_hits {manager.prefix_hits}, expected them unchanged (5, 4)",
+           "a lookup that finds nothing by rule (prompt_logprobs, or a block table already) counts nothing")
+    check_invariants(manager, [a, b, whole, partial], case)
+
+
+def test_a_request_swapped_back_registers_nothing_twice(ex):
+    case = "swap a cached request out and in, register its blocks again, free it, then allocate every block"
+    manager = ex.BlockManager(4, 4, BLOCK, True)
+    a = request(0, range(9))
+    manager.allocate(a, 9)
+    computed(manager, a)
+    manager.swap_out(a)
+    check_invariants(manager, [], case)
+    manager.swap_in(a)
+    check_invariants(manager, [a], case)
+    computed(manager, a)             # the engine registers the swapped-in blocks as it does computed ones
+    check_invariants(manager, [a], case)
+    manager.free(a)
+    check_invariants(manager, [], case)
+    c = request(1, range(100, 116))
+    manager.allocate(c, 16)
+    check_invariants(manager, [c], case)
+    manager.free(c)
+    check_invariants(manager, [], case)
 
 
 def test_a_freed_cached_block_is_found_again(ex):

@@ -111,6 +111,20 @@ def test_a_stop_string_split_across_tokens_is_never_shown(ex):
            "cut the text before the stop string (it starts in the held-back tail), and set stopped_on to it")
 
 
+def test_the_whole_hold_back_is_kept(ex):
+    """A stop string of 3 characters whose first 2 (or 1) arrive with one token: all of them must
+    stay held back (hold_back = 2), or the first one is shown and the stop is never found."""
+    for first, second in [(".\n", "\n"), (".", "\n\n")]:
+        case = f"stop '.\\n\\n' arriving as {first!r} + {second!r} after 'ab'"
+        pieces = {1: b"ab", 8: first.encode(), 9: second.encode()}
+        shown, stopped_at, text = stream(ex, pieces, [1, 8, 9], [".\n\n"])
+        expect(stopped_at == 2 and text.text == "ab", case,
+               f"stopped at token {stopped_at}, text {text.text!r}; the text shown after each token was {shown!r}",
+               "hold back exactly the last hold_back = len(longest stop) - 1 characters: release "
+               "text[:len(text) - hold_back] (check the arithmetic: one character less held back lets the start "
+               "of a stop string out, and the search then never sees it whole)")
+
+
 def test_a_stop_string_inside_one_token(ex):
     case = "stop 'STOP' inside one token 'xSTOPy'"
     shown, stopped_at, text = stream(ex, STOPS, [1, 5, 4], ["STOP"])

@@ -18,7 +18,7 @@ from llmlab import preemption as llmlab_preemption
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.hooks import Recorder
-from llmlab.policies import SchedulingPolicy
+from llmlab.policies import Priority, SchedulingPolicy
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler import Scheduler
 from diagnose import fail
@@ -207,6 +207,14 @@ def run_lockstep(case: str, workload: Workload, scheduler_class=Scheduler, preem
     left = [r.request_id for r in mine.requests.values() if not r.finished]
     if left:
         fail(case, [f"requests {left} never finished", "-> every request must make progress"])
+    cached = {rid: r.num_cached_prompt_tokens for rid, r in mine.requests.items()}
+    expected_cached = {rid: r.num_cached_prompt_tokens for rid, r in reference.requests.items()}
+    if cached != expected_cached:
+        differ = {rid: (cached[rid], expected_cached[rid]) for rid in cached if cached[rid] != expected_cached[rid]}
+        fail(case, [f"num_cached_prompt_tokens (yours, llmlab's) by request: {differ}",
+                    "-> num_cached_prompt_tokens is what the prompt found in the prefix cache when first admitted "
+                    "(the server reports it as usage.prompt_tokens_details.cached_tokens): set it from match_prefix "
+                    "unless the request was preempted before (its own blocks are not a cache hit)"])
     bm = mine.blocks
     if bm.num_free_blocks != bm.num_device_blocks or bm.num_free_host_blocks != bm.num_host_blocks:
         fail(case, [f"after every request finished: {bm.num_free_blocks} of {bm.num_device_blocks} device blocks and "
@@ -229,6 +237,15 @@ def out_of_blocks(mode: str) -> Workload:
                     num_host_blocks=8 if mode == "swap" else 0)
 
 
+class LatecomerFirst(Priority):
+    """The last request of a workload outranks the others, so its arrival preempts a running
+    one when max_num_seqs run (preempts_on_arrival): preempt_for gives its budget back."""
+    name = "priority, the last arrival first"
+
+    def __init__(self):
+        super().__init__({f"r{k}": -1 for k in range(3, 9)})   # the latecomers of the workloads below
+
+
 class LongPromptsWaitForIdle(SchedulingPolicy):
     """Admits a prompt of more than 4 tokens only when nothing runs (admit is asked only while
     some request runs): none of the built-in policies refuses anyone."""
@@ -242,6 +259,7 @@ ADMIT = Workload([(0, 3, 4), (0, 10, 2), (0, 3, 2)], policy=LongPromptsWaitForId
 POLICY = Workload([(0, 12, 2), (0, 3, 2), (0, 7, 2), (1, 2, 2)], dict(max_num_batched_tokens=8, max_num_seqs=2),
                   policy="shortest_prompt_first")
 SHARED = list(range(1000, 1008))
+PREEMPT_ON_ARRIVAL = Workload([(0, 3, 6), (0, 3, 6), (1, 3, 6), (2, 3, 4)], dict(max_num_seqs=2), policy=LatecomerFirst)
 PREFIX = Workload([(0, SHARED + [1, 2, 3], 3), (0, SHARED + [4, 5], 3), (2, SHARED + [6], 2)],
                   dict(enable_prefix_caching=True))
 
@@ -279,6 +297,10 @@ def test_the_policy_admits(ex):
     run_lockstep("a long prompt the policy admits only when nothing runs", ADMIT, ex.Scheduler)
 
 
+def test_a_latecomer_that_outranks_the_running_preempts_on_arrival(ex):
+    run_lockstep("a priority policy whose latecomer preempts a running request", PREEMPT_ON_ARRIVAL, ex.Scheduler)
+
+
 def test_prefix_caching(ex):
     run_lockstep("prompts sharing an 8-token prefix", PREFIX, ex.Scheduler)
 
@@ -298,7 +320,7 @@ def random_workload(seed: int) -> Workload:
         config["max_num_batched_tokens"] = 32     # a whole prompt fits in one step
     # enough blocks for the longest request alone, rarely for all: preemption happens
     return Workload(arrivals, config, num_blocks=rng.randint(8, 14), num_host_blocks=rng.choice([0, 16]),
-                    policy=rng.choice(["fcfs", "fcfs", "shortest_prompt_first", "shortest_output_first"]))
+                    policy=rng.choice(["fcfs", "fcfs", "shortest_prompt_first", "shortest_output_first", LatecomerFirst]))
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -152,3 +152,21 @@ def test_the_table_says_what_to_check_next():
     assert lines[0].split()[:2] == ["ex01_rms_norm", "done"] and lines[1].split()[:2] == ["ex11_top_p", "FAILING"]
     assert lines[2].strip() == "next: test_explaining_case: ex11: the token that crosses top_p was dropped"
     assert len(lines) == 3
+
+
+def test_your_files_can_live_in_a_folder_of_your_own(tmp_path):
+    """LLMLAB_EXERCISES_DIR: `exercises.exNN_...` is that folder's file where it has one, else
+    the repo's (a student who may not edit the checkout grades a folder of their own)."""
+    import os
+    import subprocess
+
+    (tmp_path / "ex09_block_allocator.py").write_text("SOLVED_HERE = True\n")
+    code = ("import exercises.ex09_block_allocator as mine, exercises.ex10_chunked_prefill as theirs; "
+            "print(mine.__file__); print(theirs.__file__); print(mine.SOLVED_HERE)")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=60,
+                            env={**os.environ, "LLMLAB_EXERCISES_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    mine, theirs, solved = result.stdout.split()
+    assert mine == str(tmp_path / "ex09_block_allocator.py") and solved == "True"
+    assert theirs == os.path.join(repo, "exercises", "ex10_chunked_prefill.py")
