@@ -49,16 +49,19 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         checks = [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", _is_number(self.temperature) and 0 <= self.temperature < math.inf,
-             "a finite number >= 0"),
+            ("temperature", _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"a number in [0, {MAX_TEMPERATURE:g}]"),
             ("top_k", _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 or an integer >= 1"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             ("seed", self.seed is None or _is_int(self.seed) and -2**63 <= self.seed < 2**63,
              "None or an integer in [-2**63, 2**63)"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
-            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "a list of non-negative integers"),
+            ("stop", len(self.stop) <= MAX_STOP and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                        for s in self.stop),
+             f"a list of at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
             ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
             ("logprobs", self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
              f"None or an integer in [0, {MAX_LOGPROBS}]"),
@@ -86,6 +89,14 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5
+# Past it the sampler's 1 / temperature nears float32's smallest numbers: logits scaled by it
+# tie (1e39 is inf in float32, and every token then ties), and top-k / top-p keep everything.
+MAX_TEMPERATURE = 1e6
+# Every new piece of text is searched for every stop string (engine/output.py), and the text
+# held back is the longest one: bounded, so one request cannot slow every step of the engine
+# (90,000 stop strings cost 70 ms a sequence a step on a CPU).
+MAX_STOP, MAX_STOP_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 1024   # each sampled token is looked up in them (scheduler.stop_reason)
 MAX_LOGPROBS = 20    # alternatives per token, as OpenAI's top_logprobs allows
 MAX_N = 128          # completions per prompt
 

@@ -175,6 +175,8 @@ def create_app(engine: LLMEngine | EngineProcess, model_name: str | None = None,
             if isinstance(result, BaseException):
                 raise result
         requested, max_tokens_param = body.requested_max_tokens
+        if isinstance(body, CompletionRequest):
+            body.check_echo_logprobs([len(token_ids) for token_ids in tokenized])
         requests = []
         for index, token_ids in enumerate(tokenized):
             name = f"prompt[{index}]" if len(prompts) > 1 else "the prompt"
@@ -234,8 +236,11 @@ def create_app(engine: LLMEngine | EngineProcess, model_name: str | None = None,
 def warn_ignored_fields(request: Request, body) -> None:
     """One warning line for the fields a request set that were accepted but not acted on (as vLLM)."""
     if body.ignored_fields:
-        logger.warning("%s %s: fields ignored (accepted, not acted on): %s", request.method, request.url.path,
-                       ", ".join(body.ignored_fields))
+        # the client's names as repr()s, each cut short, 20 at most: a name is no log line of its own
+        names = [repr(name[:60]) + ("..." if len(name) > 60 else "") for name in body.ignored_fields[:20]]
+        more = len(body.ignored_fields) - len(names)
+        logger.warning("%s %s: fields ignored (accepted, not acted on): %s%s", request.method, request.url.path,
+                       ", ".join(names), f" and {more} more" if more > 0 else "")
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:

@@ -1,7 +1,7 @@
 """The OpenAI wire format of requests: bodies (validated by pydantic) and errors.
 
 Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`,
-`min_p`, `ignore_eos` and `stream_options.continuous_usage_stats`), so the official `openai`
+`min_p`, `ignore_eos`, `stop_token_ids` and `stream_options.continuous_usage_stats`), so the official `openai`
 client and tools built on it (lm-evaluation-harness, GuideLLM) work unchanged. A completion's
 `prompt` takes all four of OpenAI's forms (a string, a list of strings, a list of token ids,
 a list of token-id lists); `n` completions of each prompt; `logprobs` (completions: k, up to
@@ -11,14 +11,16 @@ with `max_tokens: 0` the prompt alone, as vLLM does).
 A body is parsed and validated in one pass by pydantic's own JSON parser
 (`model_validate_json`): it refuses what Python's `json` module would let through to
 crash later (lone surrogates like "\\ud800", nesting thousands deep, 5,000-digit numbers,
-`Infinity` and `NaN`), and every error names the field it is about (`loc`). Types are
-strict (the string "5" is not a number, as in OpenAI's own API); values are checked once,
-by `SamplingParams`.
+`Infinity` and `NaN`), and every error names the field it is about, as a path into the body
+(`messages[1].content[0].type`). Types are strict (the string "5" is not a number, as in
+OpenAI's own API), and null is a field's default (OpenAI marks them nullable); values are
+checked once, by `SamplingParams`.
 
 Fields this server does not act on come in two kinds. Those that ask for a different output
 (a tool or function call, audio, a web search, JSON, penalties, `best_of` other than `n`,
-...) are a 400 naming the field unless they are at their "off" value: a client that asked for
-audio and got plain text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
+and vLLM's `repetition_penalty`, `min_tokens`, guided decoding, beam search, chat-template
+controls, ...) are a 400 naming the field unless they are at their "off" value: a client that
+asked for audio, or for JSON matching a schema, and got plain text could not tell. The rest (bookkeeping and hints: `store`, `metadata`, `service_tier`,
 `user`, `parallel_tool_calls`, `reasoning_effort`, a message's `name`, and any field
 OpenAI may add) are accepted and listed by `ignored_fields`, which the server logs in one
 warning line per request, as vLLM does.
@@ -61,9 +63,19 @@ UNSUPPORTED_FIELDS = {
     "modalities": (["text"],), "audio": (), "web_search_options": (),
     "prediction": (),    # a predicted output: the client expects it reused and its tokens counted
     "prompt_logprobs": (),   # vLLM's: the prompt's logprobs in a shape of its own (echo + logprobs gives them)
+    # vLLM's sampling and decoding extensions that change the output and are not implemented here
+    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
+    "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_whitespace_pattern": (), "structured_outputs": (), "prompt_embeds": (),
 }
-# chat has no `echo` in OpenAI's API (vLLM's echoes the last message; not here)
-CHAT_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "echo": (False,)}
+# chat has no `echo` in OpenAI's API (vLLM's echoes the last message; not here), and vLLM's chat
+# template controls: the model's own template, one assistant turn opened after the messages
+CHAT_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "echo": (False,), "add_generation_prompt": (True,),
+                           "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+                           "documents": ()}
 # in a message: an assistant turn that called tools (the template here has no way to write it)
 UNSUPPORTED_MESSAGE_FIELDS = {"tool_calls": ([],), "function_call": ()}
 
@@ -79,6 +91,11 @@ def is_off(value, off: tuple) -> bool:
 
 
 MAX_CHOICES = 1024   # prompts x n in one request (a 1 MiB body could list 250,000 one-token prompts)
+# echo with logprobs: every choice scores its prompt's tokens again (a request that asks for them
+# finds nothing in the prefix cache) and sends (1 + k) entries for each: prompt tokens x n x
+# (1 + k) in one request is bounded, else a 10 KB body costs a minute of the engine and 14 MB
+# of answer, and a 1 MiB one hundreds of times that
+MAX_ECHO_LOGPROBS = 1 << 20
 
 
 class StreamOptions(BaseModel):
@@ -102,6 +119,7 @@ class SamplingFields(BaseModel):
     min_p: float = 0.0              # vLLM extension
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None   # vLLM extension: end a completion at any of these tokens
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -114,6 +132,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def reject_unsupported(cls, data):
         if isinstance(data, dict):
+            # null is the default (OpenAI marks these fields nullable; clients send None for unset)
+            data = {name: value for name, value in data.items()
+                    if not (value is None and name in cls.model_fields and cls.model_fields[name].default is not None)}
             refuse_unsupported(data, cls.unsupported_fields)
             # best_of: the best of k sampled completions (by their logprob); k = n is all of them
             best_of, n = data.get("best_of"), data.get("n", 1)
@@ -180,7 +201,7 @@ class SamplingFields(BaseModel):
         fields = dict(max_tokens=requested if max_tokens is None else max_tokens, temperature=self.temperature,
                       top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                       stop=[] if self.stop is None else self.stop,   # "" is refused, as [""] is
-                      ignore_eos=self.ignore_eos, n=self.n, logprobs=k,
+                      stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, n=self.n, logprobs=k,
                       prompt_logprobs=k if self.echo_prompt else None)
         if fields["max_tokens"] is None or self.prompt_only:
             # None: only checking the other fields, before the prompt is known; prompt_only: one token is run
@@ -265,6 +286,17 @@ class CompletionRequest(SamplingFields):
     def echo_prompt(self) -> bool:
         return self.echo
 
+    def check_echo_logprobs(self, prompt_lengths: list[int]) -> None:
+        """A 400 when echo's prompt logprobs would pass MAX_ECHO_LOGPROBS entries."""
+        if not self.echo or self.logprobs is None:
+            return
+        entries = sum(prompt_lengths) * self.n * (1 + self.logprobs)
+        if entries > MAX_ECHO_LOGPROBS:
+            raise APIError(400, f"echo with logprobs scores every prompt token for every choice: {sum(prompt_lengths)} "
+                           f"prompt tokens x n = {self.n} x (1 + logprobs = {self.logprobs}) is {entries} entries, more "
+                           f"than {MAX_ECHO_LOGPROBS}; ask for fewer choices or alternatives, or split the prompts",
+                           param="echo")
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or token ids: a list of strings or of token-id lists is
         several (one choice each, times n); a string or a list of token ids is one."""
@@ -273,7 +305,7 @@ class CompletionRequest(SamplingFields):
         if len(prompts) * self.n > MAX_CHOICES:
             raise APIError(400, f"too many completions in one request: {len(prompts)} prompts x n = {self.n} is "
                            f"{len(prompts) * self.n}, more than {MAX_CHOICES}; split it into several requests",
-                           param="prompt")
+                           param="n" if len(prompts) == 1 else "prompt")
         return prompts
 
 
@@ -329,7 +361,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+        # the newer name wins when both are set (as vLLM and SGLang do; OpenAI deprecated max_tokens)
+        if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
@@ -345,12 +378,26 @@ def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
         if first["type"] == "json_invalid":   # also: not UTF-8, too deep, a number too long
             raise APIError(400, f"the request body is not valid JSON: "
                            f"{first['msg'].removeprefix('Invalid JSON: ')}") from None
-        field = str(first["loc"][0]) if first["loc"] else None
+        # of the errors about the first bad field, the one deepest inside it: a union (a message's
+        # content: a string or a list of parts) fails on every variant, and the deepest says what
+        # was wrong in the variant the client meant (messages[1].content[0].type, not "a string")
+        errors = [e for e in err.errors(include_url=False) if e["loc"][:1] == first["loc"][:1]]
+        first = max(errors, key=lambda e: len(request_path(e["loc"])))
+        path = request_path(first["loc"])
         message = first["msg"].removeprefix("Value error, ")
-        if field is not None:
-            # the whole path where the field is an object's ("stream_options.bogus"); a union's
-            # variant names (prompt's 'str', 'list[int]', ...) are pydantic's, not the request's
-            path = [str(part) for part in first["loc"]]
-            where = ".".join(path) if first["type"] == "extra_forbidden" else field
-            message = f"invalid value for '{where}': {message}"
-        raise APIError(400, message, param=field) from None
+        if path:
+            message = f"invalid value for '{path}': {message}"
+        raise APIError(400, message, param=path or None) from None
+
+
+def request_path(loc: tuple) -> str:
+    """A pydantic error's location as the request names it, `messages[1].content[0].text`:
+    the variant names pydantic adds inside a union ('str', 'list[int]', 'function-after[...]')
+    are its own, not the request's."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not any(c in part for c in "[(") and part not in {"str", "int", "float", "bool", "list", "dict"}:
+            path += f".{part}" if path else part
+    return path

@@ -275,7 +275,7 @@ def test_continuous_usage_stats_without_include_usage_and_unknown_stream_options
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "stream": True,
                                                          "stream_options": {**GUIDELLM_OPTIONS, "bogus": 1}})
     error = response.json()["error"]
-    assert response.status_code == 400 and error["param"] == "stream_options"
+    assert response.status_code == 400 and error["param"] == "stream_options.bogus"
     assert "stream_options.bogus" in error["message"], error
 
 

@@ -205,7 +205,7 @@ BAD_INPUTS = {
     "token id out of range": ("/v1/completions", body_of({"prompt": [1, 10**9]}), 400, "prompt", None),
     "prompt longer than the context": ("/v1/completions", body_of({"prompt": "hello " * 9000}), 400, "prompt", "context_length_exceeded"),
     "chat longer than the context": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": "hello " * 9000}]}), 400, "messages", "context_length_exceeded"),
-    "bad role": ("/v1/chat/completions", body_of({"messages": [{"role": "robot", "content": "hi"}]}), 400, "messages", None),
+    "bad role": ("/v1/chat/completions", body_of({"messages": [{"role": "robot", "content": "hi"}]}), 400, "messages[0].role", None),
     "no messages": ("/v1/chat/completions", body_of({"messages": []}), 400, "messages", None),
     "unknown model": ("/v1/completions", body_of({"model": "gpt-9", "prompt": "hi"}), 404, "model", "model_not_found"),
     "oversized body": ("/v1/completions", body_of({"prompt": "a" * (2 << 20)}), 413, None, "request_too_large"),
@@ -221,9 +221,9 @@ BAD_INPUTS = {
     "temperature 1e999": ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", None),
     "top_p NaN": ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', 400, "top_p", None),
     "stream_options with an unknown field": ("/v1/completions", body_of(
-        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "bogus": 1}}), 400, "stream_options", None),
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "bogus": 1}}), 400, "stream_options.bogus", None),
     "stream_options wrong type": ("/v1/completions", body_of(
-        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}), 400, "stream_options", None),
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}), 400, "stream_options.include_usage", None),
     "stream_options without stream": ("/v1/completions", body_of(
         {"prompt": "hi", "stream_options": {"include_usage": True}}), 400, "stream_options", None),
     "max_tokens beyond the context": ("/v1/completions", body_of({"prompt": "hi", "max_tokens": 100_000}),
@@ -242,7 +242,28 @@ BAD_INPUTS = {
     "stop an empty string": ("/v1/completions", body_of({"prompt": "hi", "stop": ""}), 400, "stop", None),
     "top_k -5": ("/v1/completions", b'{"prompt": "hi", "top_k": -5}', 400, "top_k", None),
     "user message without content": ("/v1/chat/completions", body_of(
-        {"messages": [{"role": "user", "content": None}]}), 400, "messages", None),
+        {"messages": [{"role": "user", "content": None}]}), 400, "messages[0]", None),
+    # what a hostile client and vLLM users sent (#37, #34)
+    "an image part": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400, "messages[0].content[0].type", None),
+    "a text part without text": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}), 400, "messages[0].content[0].text", None),
+    "n 10000": ("/v1/completions", body_of({"prompt": "hi", "n": 10000}), 400, "n", None),
+    "temperature 1e39": ("/v1/completions", body_of({"prompt": "hi", "temperature": 1e39}), 400, "temperature", None),
+    "65 stop strings": ("/v1/completions", body_of({"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}), 400, "stop", None),
+    "a stop string of 1025 characters": ("/v1/completions", body_of({"prompt": "hi", "stop": ["x" * 1025]}), 400, "stop", None),
+    "stop_token_ids not ids": ("/v1/completions", body_of({"prompt": "hi", "stop_token_ids": [-1]}), 400, "stop_token_ids", None),
+    "repetition_penalty": ("/v1/completions", body_of({"prompt": "hi", "repetition_penalty": 1.2}), 400, "repetition_penalty", "unsupported_parameter"),
+    "min_tokens": ("/v1/completions", body_of({"prompt": "hi", "min_tokens": 5}), 400, "min_tokens", "unsupported_parameter"),
+    "guided_json": ("/v1/completions", body_of({"prompt": "hi", "guided_json": {"type": "object"}}), 400, "guided_json", "unsupported_parameter"),
+    "structured_outputs": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": "hi"}],
+                                                            "structured_outputs": {"choice": ["a", "b"]}}), 400, "structured_outputs", "unsupported_parameter"),
+    "skip_special_tokens false": ("/v1/completions", body_of({"prompt": "hi", "skip_special_tokens": False}), 400, "skip_special_tokens", "unsupported_parameter"),
+    "include_stop_str_in_output": ("/v1/completions", body_of({"prompt": "hi", "include_stop_str_in_output": True}), 400, "include_stop_str_in_output", "unsupported_parameter"),
+    "chat_template": ("/v1/chat/completions", body_of({"messages": [{"role": "user", "content": "hi"}],
+                                                       "chat_template": "{{ messages }}"}), 400, "chat_template", "unsupported_parameter"),
+    "echo logprobs past the bound": ("/v1/completions", body_of({"prompt": [[1] * 4000] * 4, "n": 16, "echo": True,
+                                                                 "logprobs": 5, "max_tokens": 0}), 400, "echo", None),
 }
 
 # a Python exception's name in a message means internal text leaked to the client
