@@ -36,7 +36,8 @@ from llmlab.server.request_group import RefusedRequest, RequestGroup
 from llmlab.server.choices import ChatChoices, CompletionChoices
 from llmlab.server.guards import api_key_checker, host_checker, require_json
 from llmlab.server.logprobs import TokenNames
-from llmlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, parse_json,
+from llmlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, parse_json,
                                     resolve_max_tokens)
 from llmlab.server.responses import ModelCard, ModelList, event_stream, new_id, now, wait_for_all
 
@@ -230,6 +231,36 @@ def create_app(engine: LLMEngine | EngineProcess, model_name: str | None = None,
         return await answer(request, body, group, ChatChoices(response_id, created, model_name, body, group, names))
 
     app.include_router(v1)
+
+    # ---- vLLM's tokenizer routes (at the root, as vLLM serves them; the API key applies) ----
+    tokenizer_routes = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @tokenizer_routes.post("/tokenize", dependencies=[Depends(require_json)])
+    async def tokenize(request: Request):
+        body = parse_json(TokenizeRequest, await read_body(request, max_body_bytes))
+        check_model(body.model)
+        try:
+            if body.messages is not None:
+                ids = await async_engine.tokenize(messages=[m.as_template_message() for m in body.messages])
+            else:
+                ids = await async_engine.tokenize(prompt=body.prompt)
+        except ValueError as err:    # (ContextLengthError: certainly longer than the context)
+            code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
+            raise APIError(400, str(err), param="messages" if body.messages is not None else "prompt",
+                           code=code) from None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    @tokenizer_routes.post("/detokenize", dependencies=[Depends(require_json)])
+    async def detokenize(request: Request):
+        body = parse_json(DetokenizeRequest, await read_body(request, max_body_bytes))
+        check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is not in the vocabulary (0 .. {vocab - 1})", param="tokens")
+        return {"prompt": await asyncio.to_thread(prompt_text, body.tokens)}
+
+    app.include_router(tokenizer_routes)
     return app
 
 

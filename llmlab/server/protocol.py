@@ -367,6 +367,38 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_tokens, "max_tokens"
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt's or a conversation's token ids, as a completion or a chat
+    request would use them (so `count` is its usage.prompt_tokens)."""
+    model_config = STRICT
+    unsupported_fields: ClassVar[dict] = {"add_special_tokens": (), "add_generation_prompt": (True,),
+                                          "continue_final_message": (False,), "chat_template": (),
+                                          "chat_template_kwargs": ({},), "return_token_strs": (False,)}
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def reject_unsupported(cls, data):
+        if isinstance(data, dict):
+            refuse_unsupported(data, cls.unsupported_fields)
+        return data
+
+    @model_validator(mode="after")
+    def one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either 'prompt' or 'messages'", param="prompt" if self.prompt is None else "messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text (special tokens included, as echo shows them)."""
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_json(model: type[BaseModel], body: bytes) -> BaseModel:
     """Parse and validate a raw JSON body in one pass; a 400 naming the first bad field
     (pydantic's `loc`), or saying the body is not JSON at all. One leading UTF-8 byte order
