@@ -88,12 +88,16 @@ class Knobs:
         return cls(**values)
 
 
+CATALOGUES: dict[str, dict] = {}   # knob -> the variants it may name (registered by check_variant)
+
+
 def check_variant(field: str, value: str | None, catalogue: dict) -> None:
     """`value` (a knob's, e.g. from the environment) names one of `catalogue`'s variants, or
     is None. The catalogues (q8_configs.py, prefill_configs.py) check their knob so when
     imported, and the contract imports them: a typo in LLMLAB_Q8_DECODE or
     LLMLAB_PREFILL_CONFIG fails when llmlab is imported, on every machine, not at the first
-    kernel call on a GPU."""
+    kernel call on a GPU. The catalogue is remembered, so that `parse_setting` checks its knob too."""
+    CATALOGUES[field] = catalogue
     if value is not None and value not in catalogue:
         raise ValueError(f"{ENVIRONMENT[field]}={value!r} names no variant; known: {', '.join(sorted(catalogue))}")
 
@@ -107,6 +111,8 @@ def parse_setting(spec: str) -> dict:
         if not sep or field not in ENVIRONMENT or not text:
             raise ValueError(f"knob setting {part!r}: use field=value with a field of {', '.join(ENVIRONMENT)}")
         values[field] = getattr(Knobs.from_environment({ENVIRONMENT[field]: text}), field)
+        if field in CATALOGUES:    # a variant's name: checked now, not at the first kernel call
+            check_variant(field, values[field], CATALOGUES[field])
     return values
 
 

@@ -58,6 +58,10 @@ def test_knob_settings_are_checked_before_anything_is_built(capsys):
         assert "use field=value with a field of gemv, fold_norms" in capsys.readouterr().err
     assert parse_setting("fold_norms=1, prefetch_kb=0") == {"fold_norms": True, "prefetch_kb": 0}
     assert parse_setting("gemv=0") == {"gemv": False}
+    assert parse_setting("prefill_config=m128-n128-w12-s2-ws") == {"prefill_config": "m128-n128-w12-s2-ws"}
+    with pytest.raises(SystemExit) as exit_info:    # a variant's name is checked too, before any weight is built
+        cli.main(["bench", "single-forward", "--batch-sizes", "1", "--knobs", "prefill_config=m128-typo"])
+    assert exit_info.value.code == 2 and "names no variant" in capsys.readouterr().err
     before = knobs.fold_norms
     with knobs_set({"fold_norms": not before}):
         assert knobs.fold_norms is (not before)
