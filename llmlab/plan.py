@@ -68,3 +68,12 @@ class StepOutcome:
     finished: list[Request] = field(default_factory=list)   # of those, the ones done (blocks freed)
     freed_blocks: list[int] = field(default_factory=list)   # device blocks the finished gave back
     num_dropped: int = 0     # tokens sampled for requests that had finished meanwhile (async scheduling)
+    policy_error: Exception | None = None   # the policy's on_step raised (after the step's bookkeeping)
+
+    def checked(self, result=None):
+        """`result` (default: this outcome), or the policy's on_step error, raised once whoever
+        finishes the step has done so: nothing is lost (the error carries `result` as `outputs`)."""
+        if self.policy_error is not None:
+            self.policy_error.outputs = result
+            raise self.policy_error
+        return self if result is None else result

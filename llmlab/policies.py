@@ -22,7 +22,10 @@ waiting) and asks its `SchedulingPolicy` at every choice:
                                      may a waiting request that finds no free slot or blocks
                                      preempt a running one? It does only if it outranks the
                                      victim (a smaller key): else the two could take turns
-                                     preempting each other forever (default: False)
+                                     preempting each other forever (default: False). That
+                                     holds for a key that stays put while they wait; a key
+                                     that moves with `now` or with the tokens served can
+                                     still make requests take turns (measure preemptions)
   on_step(outcome, now)              sees every step's StepOutcome (llmlab/plan.py: requests
                                      that got a token, finished, blocks freed) for a policy
                                      that adapts; it observes, it plans nothing (default: nothing)
@@ -32,6 +35,12 @@ and the server, and `request.arrival_time` is on the same clock: in `run()` both
 the workload's t = 0 on the wall clock, in `simulate()` both are the simulated time, and an
 engine or a server counts from when its engine was built (`Scheduler.now()`). So a policy
 that ages requests (`now - request.arrival_time`) decides the same in all of them.
+
+A hook that raises, or returns what it may not (admit or preempts_on_arrival anything but
+a bool, prefill_budget anything but an int, a key whose values do not compare, a victim not
+in `running`), is a PolicyError naming the policy and the hook. `running` is a copy: editing
+it changes nothing. When on_step raises, the step's bookkeeping is done first: its finished
+requests are finished, and the error carries the step's outputs (`PolicyError.outputs`).
 
 The scheduler keeps two rules whatever the policy says, so that no policy can stall an
 engine: `admit` is asked only while some request runs (with nothing running a deferral would
@@ -80,6 +89,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import numbers
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -176,13 +186,82 @@ shortest_prompt_first = ShortestPromptFirst()
 shortest_output_first = ShortestOutputFirst()
 
 
+class PolicyError(RuntimeError):
+    """A policy's hook raised, or returned what it may not: the message names the policy and
+    the hook (a researcher's bug, not the engine's). `outputs`: what the step that failed had
+    finished (its bookkeeping is done: nothing is lost but the return value)."""
+    outputs: list = []
+
+
+# what a hook must return, where a wrong type would otherwise go unnoticed (admit returning
+# None defers everything) or fail far from the policy (a float budget in the block manager)
+_RETURNS = {
+    "admit": (lambda v: isinstance(v, bool) or type(v).__name__ == "bool_", "True or False"),
+    "preempts_on_arrival": (lambda v: isinstance(v, bool) or type(v).__name__ == "bool_", "True or False"),
+    "prefill_budget": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an int"),
+}
+_ARGS = {"key": "(request, now)", "admit": "(request, now)", "preempts_on_arrival": "(request, now)",
+         "prefill_budget": "(num_decode_tokens, token_budget, now)", "preempt_victim": "(running, now)",
+         "on_step": "(outcome, now)"}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def ask(policy: SchedulingPolicy, hook: str, *args):
+    """policy.<hook>(*args), with a PolicyError naming the policy and the hook when it raises or
+    returns what the hook may not (the scheduler asks every hook through this)."""
+    try:
+        value = getattr(policy, hook)(*args)
+    except PolicyError:
+        raise
+    except Exception as err:   # noqa: BLE001 -- a policy's own bug: say whose
+        raise PolicyError(f"policy {policy.name!r}: {hook}{_ARGS[hook]} raised {type(err).__name__}: {err}") from err
+    check = _RETURNS.get(hook)
+    if check is not None and not check[0](value):
+        raise PolicyError(f"policy {policy.name!r}: {hook}{_ARGS[hook]} returned {_short(value)}; it must return "
+                          f"{check[1]}")
+    return value
+
+
+def observe(policy: SchedulingPolicy, outcome: StepOutcome, now: float) -> PolicyError | None:
+    """policy.on_step(outcome, now); its PolicyError returned, not raised: the step's bookkeeping
+    goes on, and whoever finishes the step raises it (StepOutcome.checked), so nothing is lost."""
+    try:
+        ask(policy, "on_step", outcome, now)
+    except PolicyError as err:
+        return err
+    return None
+
+
+def sort_by_policy(policy: SchedulingPolicy, queue: list[Request], now: float) -> None:
+    """Sort `queue` in place by the policy's key at `now` (smaller = more important); a key
+    that raises, or whose values do not compare, is a PolicyError naming the policy."""
+    def key(request):
+        return ask(policy, "key", request, now)
+    try:
+        queue.sort(key=key)
+    except TypeError as err:   # the comparisons, outside the key's call
+        raise PolicyError(f"policy {policy.name!r}: key(request, now) returned values that do not compare "
+                          f"with each other ({err}); return numbers, or tuples of them") from err
+
+
 def resolve_policy(policy, workload: Workload | None = None) -> SchedulingPolicy:
     """The SchedulingPolicy for `policy`: a name in POLICIES ("priority" reads the workload's
     priorities), a SchedulingPolicy or its class, "module:Name", or a key function."""
     if isinstance(policy, SchedulingPolicy):
         return policy
     if isinstance(policy, type) and issubclass(policy, SchedulingPolicy):
-        return policy()
+        try:
+            return policy()
+        except TypeError as err:
+            raise ValueError(f"policy class {policy.__name__} cannot be made without arguments ({err}): pass an "
+                             f"instance (module:name of an object made at import works too)") from None
+    if isinstance(policy, type):
+        raise ValueError(f"policy class {policy.__name__} is not a SchedulingPolicy: subclass "
+                         f"llmlab.policies.SchedulingPolicy (or pass a key function of a Request)")
     if callable(policy):
         return KeyFunction(policy)
     if isinstance(policy, str) and ":" in policy:

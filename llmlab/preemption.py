@@ -16,6 +16,7 @@ aborted, a recomputed one's device blocks at once.
 from __future__ import annotations
 
 from llmlab.plan import Plan
+from llmlab.policies import PolicyError, _short, ask
 from llmlab.request import Request, RequestStatus
 
 
@@ -24,7 +25,7 @@ def make_room(scheduler, request: Request, num_tokens: int, plan: Plan, now: flo
     `request` can hold `num_tokens`. Returns False when `request` itself had to be preempted."""
     blocks = scheduler.blocks
     while blocks.blocks_needed(request, num_tokens) > blocks.num_free_blocks:
-        victim = choose_victim(scheduler, scheduler.running, now)   # sorted at the step's start
+        victim = choose_victim(scheduler, list(scheduler.running), now)   # sorted at the step's start; a copy
         preempt(scheduler, victim, plan)
         if victim is request:
             return False
@@ -36,7 +37,7 @@ def preempt_for(scheduler, request: Request, plan: Plan, now: float) -> int | No
     `request` outranks it (a smaller key: otherwise two requests could take turns preempting
     each other forever); returns the tokens the victim's items gave back to the step's budget
     (None: nobody was preempted)."""
-    if not scheduler.running or not scheduler.policy.preempts_on_arrival(request, now):
+    if not scheduler.running or not ask(scheduler.policy, "preempts_on_arrival", request, now):
         return None
     key = scheduler.policy_key(now)
     victim = choose_victim(scheduler, sorted(scheduler.running, key=key), now)   # admitted this step: not sorted
@@ -49,10 +50,12 @@ def preempt_for(scheduler, request: Request, plan: Plan, now: float) -> int | No
 
 def choose_victim(scheduler, running: list[Request], now: float) -> Request:
     """The policy's choice among `running` (ordered by key, most important first)."""
-    victim = scheduler.policy.preempt_victim(running, now)
-    if not any(victim is r for r in running):
-        raise ValueError(f"policy {scheduler.policy.name!r}: preempt_victim returned {victim!r}, "
-                         f"which is not one of the running requests")
+    victim = ask(scheduler.policy, "preempt_victim", running, now)
+    if not any(victim is r for r in scheduler.running):
+        what = f"request {victim.request_id!r}" if isinstance(victim, Request) else _short(victim)
+        raise PolicyError(f"policy {scheduler.policy.name!r}: preempt_victim(running, now) returned {what}, "
+                          f"which is not one of the running requests (return an element of `running`, and "
+                          f"leave the list as it is)")
     return victim
 
 

@@ -27,7 +27,7 @@ from llmlab import preemption, sizing
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
-from llmlab.policies import SchedulingPolicy, fcfs, resolve_policy
+from llmlab.policies import SchedulingPolicy, ask, fcfs, observe, resolve_policy, sort_by_policy
 from llmlab.request import PENDING_TOKEN, Request, RequestStatus
 
 
@@ -102,7 +102,7 @@ class Scheduler:
                 request.token_pending = True
         if sampled is None:
             return StepOutcome()
-        return self.resolve([item.request for item in plan.sampling_items], sampled, now)
+        return self.resolve([item.request for item in plan.sampling_items], sampled, now).checked()
 
     def resolve(self, requests: list[Request], sampled, now: float | None = None) -> StepOutcome:
         """The tokens of a step whose update had none: requests[i] (plan.sampling_items'
@@ -125,7 +125,7 @@ class Scheduler:
             if reason is not None:
                 outcome.freed_blocks += self.finish(request, reason)
                 outcome.finished.append(request)
-        self.policy.on_step(outcome, self.now() if now is None else now)
+        outcome.policy_error = observe(self.policy, outcome, self.now() if now is None else now)   # raised later
         return outcome
 
     def stop_reason(self, request: Request, token: int) -> str | None:
@@ -147,7 +147,7 @@ class Scheduler:
         step is given `now` (default: `now()`, the wall clock)."""
         now = self.now() if now is None else now
         plan = Plan()
-        self.running.sort(key=self.policy_key(now))
+        sort_by_policy(self.policy, self.running, now)
         budget = self._schedule_decodes(plan, self.token_budget, now)
         budget = self._prefill_budget(plan, budget, now)
         budget = self._schedule_running_prefills(plan, budget, now)
@@ -158,15 +158,15 @@ class Scheduler:
         return plan
 
     def policy_key(self, now: float):
-        """The policy's order at `now`, as a sort key."""
-        key = self.policy.key
-        return lambda request: key(request, now)
+        """The policy's order at `now`, as a sort key (a PolicyError names a key that raises)."""
+        policy = self.policy
+        return lambda request: ask(policy, "key", request, now)
 
     def _prefill_budget(self, plan: Plan, budget: int, now: float) -> int:
         """The policy's prompt-token budget for the rest of the step, within the `budget` the
         decodes left. A step with no decode that would get less than one token gets all of
         it instead: an empty step changes nothing, so every later one would be empty too."""
-        wanted = self.policy.prefill_budget(self.token_budget - budget, self.token_budget, now)
+        wanted = ask(self.policy, "prefill_budget", self.token_budget - budget, self.token_budget, now)
         if wanted < 1 and not plan.decodes:
             return budget
         return max(0, min(budget, wanted))
@@ -205,7 +205,7 @@ class Scheduler:
     def _schedule_swapped(self, plan: Plan, budget: int, now: float) -> int:
         """3. Swapped-out requests come back when their blocks fit (they were running:
         they decode or prefill right away)."""
-        self.swapped.sort(key=self.policy_key(now))
+        sort_by_policy(self.policy, self.swapped, now)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             if len(self.blocks.host_tables[request.request_id]) + 1 > self.blocks.num_free_blocks:
@@ -227,12 +227,12 @@ class Scheduler:
         request is still computing waits a step: admitted together, both would compute the
         shared prefix (SGLang's cache-aware admission); a step later it finds the prefix in
         the cache."""
-        self.waiting.sort(key=self.policy_key(now))
+        sort_by_policy(self.policy, self.waiting, now)
         in_flight = self.blocks.prefixes_in_flight(self.running)
         i = 0
         while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
-            if self.running and not self.policy.admit(request, now):
+            if self.running and not ask(self.policy, "admit", request, now):
                 i += 1
                 continue
             if len(self.running) >= self.config.max_num_seqs:

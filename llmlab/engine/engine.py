@@ -212,7 +212,7 @@ class LLMEngine:
             self.hooks.emit(step_record(step.index, step.plan, self.scheduler, outcome.advanced, freed_blocks=freed,
                                         timings=step.timings, kernel_timings=step.kernel_timings,
                                         blocks=self.hooks.blocks, time=time.perf_counter(), overlapped=step.overlapped))
-        return self.output.outputs(outcome.advanced)
+        return outcome.checked(self.output.outputs(outcome.advanced))   # (a policy's on_step error: now)
 
     def _lap(self, clock):
         if self.device.type == "cuda" and self.hooks.active:

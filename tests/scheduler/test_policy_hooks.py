@@ -8,7 +8,7 @@ import pytest
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache.block_manager import BlockManager
 from llmlab.plan import StepOutcome
-from llmlab.policies import (FCFS, POLICIES, KeyFunction, Priority, SchedulingPolicy, fcfs, load_policy,
+from llmlab.policies import (FCFS, POLICIES, KeyFunction, PolicyError, Priority, SchedulingPolicy, fcfs, load_policy,
                              resolve_policy, shortest_prompt_first)
 from llmlab.request import Request
 from llmlab.scheduler import Scheduler
@@ -140,7 +140,8 @@ def test_a_victim_that_is_not_running_is_an_error():
     for rid in ("1", "2"):
         add(scheduler, rid, 8, float(rid))
     step(scheduler, now=0.0)
-    with pytest.raises(ValueError, match="preempt_victim returned .* not one of the running requests"):
+    with pytest.raises(PolicyError, match="'Stranger': preempt_victim.* returned request 'x', which is not one of the "
+                                          "running requests"):
         step(scheduler, now=1.0)
 
 
