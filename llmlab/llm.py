@@ -26,14 +26,17 @@ class LLM:
     prompts, whichever thread's step finished them. `llm.engine` itself is not thread-safe:
     drive it by hand from one thread only (as the server's engine thread does)."""
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, policy=None, **engine_args):
         """`model`: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
-        Other keyword arguments are EngineConfig fields (dtype, backend, block_size, ...)."""
+        `policy`: the scheduling policy (anything `policies.resolve_policy` takes: a name, a
+        SchedulingPolicy, "module:Name", a key function; default FCFS). Other keyword
+        arguments are EngineConfig fields (dtype, backend, block_size, ...)."""
         unknown = set(engine_args) - set(EngineConfig.field_names())
         if unknown:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; "
-                             f"EngineConfig has {EngineConfig.field_names()}")
-        self._attach(LLMEngine(EngineConfig(model=model, **engine_args)))
+                             f"EngineConfig has {EngineConfig.field_names()} (and LLM takes policy=)")
+        config = EngineConfig(model=model, **engine_args)
+        self._attach(LLMEngine(config) if policy is None else LLMEngine(config, policy=policy))
         logger.info("llmlab: %s", self.engine.sizes.reason)   # what the sizes left None became, and why
 
     @classmethod

@@ -190,6 +190,7 @@ def main(args) -> None:
           f"{engine.max_model_len} (model context {engine.model_config.context_length}), KV cache "
           f"{engine.kv_cache_tokens} tokens", file=sys.stderr, flush=True)
     print(engine.sizes.reason, file=sys.stderr, flush=True)
+    print(f"scheduling policy: {policy.name} ({args.policy})", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr, flush=True)

@@ -256,10 +256,11 @@ def policy_server(tmp_path):
             print(output.read())    # shown when the test fails
 
 
-def test_a_policy_with_every_hook_is_served_by_module_colon_name(policy_server):
+def test_a_policy_with_every_hook_is_served_by_module_colon_name(policy_server, tmp_path):
     from openai import OpenAI
 
     url, log_path = policy_server
+    assert f"scheduling policy: EveryHook ({__file__}:EveryHook)" in (tmp_path / "server.log").read_text()
     client = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     workload = every_hook_workload(49152)    # SmolLM2's vocabulary: token ids go as they are
@@ -280,3 +281,22 @@ def test_a_policy_with_every_hook_is_served_by_module_colon_name(policy_server):
     assert budgets and max(budgets) <= 8
     nows = [e["now"] for e in log if e["method"] == "on_step"]
     assert nows == sorted(nows) and nows[0] >= 0      # the engine's clock, from when it was built
+
+
+def test_llm_takes_a_policy(llm):
+    """LLM(policy=...): the same policy object the engine plans with (no detour through
+    LLM.from_engine(LLMEngine(config, policy=...)))."""
+    import llmlab
+
+    class LongestPromptFirst(SchedulingPolicy):
+        def key(self, request, now):
+            return -len(request.prompt_token_ids)
+
+    policy = LongestPromptFirst()
+    mine = llmlab.LLM(policy=policy, device="cpu", dtype="float32", backend="torch")
+    assert mine.engine.scheduler.policy is policy
+    params = llmlab.SamplingParams(max_tokens=4, temperature=0)
+    assert [o.text for o in mine.generate(["Hi", "Tell me a story"], params)] == \
+        [o.text for o in llm.generate(["Hi", "Tell me a story"], params)]
+    with pytest.raises(ValueError, match="LLM takes policy="):
+        llmlab.LLM(device="cpu", polcy=policy)
