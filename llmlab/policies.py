@@ -30,6 +30,12 @@ waiting) and asks its `SchedulingPolicy` at every choice:
                                      that got a token, finished, blocks freed) for a policy
                                      that adapts; it observes, it plans nothing (default: nothing)
 
+What the scheduler is carrying is `self.view` (a SchedulerView, set at the start of every step):
+`num_running`, `num_waiting`, `num_swapped`, `num_free_blocks`, `num_device_blocks`,
+`token_budget`, `max_num_seqs`, and copies of the `running` and `waiting` queues, so that a
+decision can depend on the load ("defer long prompts while more than 8 run or blocks are
+short") in an engine, a server and `simulate()` alike.
+
 `now` is seconds since the experiment started, on one clock for the engine, the simulator
 and the server, and `request.arrival_time` is on the same clock: in `run()` both count from
 the workload's t = 0 on the wall clock, in `simulate()` both are the simulated time, and an
@@ -114,6 +120,8 @@ class SchedulingPolicy:
     # read like a key function's name (run() records it; notebooks check engine.scheduler.policy.__name__)
     __name__ = property(lambda self: self.name)
 
+    view: SchedulerView | None = None   # the load (SchedulerView), set by the scheduler every step
+
     def key(self, request: Request, now: float):
         return request.arrival_time
 
@@ -131,6 +139,26 @@ class SchedulingPolicy:
 
     def on_step(self, outcome: StepOutcome, now: float) -> None:
         pass
+
+
+class SchedulerView:
+    """What a policy may read of the scheduler that asks it, live and read-only: the load behind
+    a decision (`policy.view`, set by the scheduler at the start of every step; None before the
+    first). The same in an engine, a server and `simulate()`."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+
+    num_running = property(lambda self: len(self._scheduler.running))
+    num_waiting = property(lambda self: len(self._scheduler.waiting))
+    num_swapped = property(lambda self: len(self._scheduler.swapped))
+    num_free_blocks = property(lambda self: self._scheduler.blocks.num_free_blocks)      # evictable ones count
+    num_device_blocks = property(lambda self: self._scheduler.blocks.num_device_blocks)
+    block_size = property(lambda self: self._scheduler.config.block_size)
+    token_budget = property(lambda self: self._scheduler.token_budget)                   # tokens a step
+    max_num_seqs = property(lambda self: self._scheduler.config.max_num_seqs)
+    running = property(lambda self: tuple(self._scheduler.running))    # copies: a policy changes no queue
+    waiting = property(lambda self: tuple(self._scheduler.waiting))
 
 
 class FCFS(SchedulingPolicy):

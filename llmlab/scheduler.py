@@ -27,7 +27,7 @@ from llmlab import preemption, sizing
 from llmlab.cache.block_manager import BlockManager
 from llmlab.config import EngineConfig
 from llmlab.plan import Plan, ScheduledItem, StepOutcome
-from llmlab.policies import SchedulingPolicy, ask, fcfs, observe, resolve_policy, sort_by_policy
+from llmlab.policies import SchedulerView, SchedulingPolicy, ask, fcfs, observe, resolve_policy, sort_by_policy
 from llmlab.request import PENDING_TOKEN, Request, RequestStatus
 
 
@@ -147,6 +147,7 @@ class Scheduler:
         step is given `now` (default: `now()`, the wall clock)."""
         now = self.now() if now is None else now
         plan = Plan()
+        self.policy.view = SchedulerView(self)    # what the policy may read of the load this step
         sort_by_policy(self.policy, self.running, now)
         budget = self._schedule_decodes(plan, self.token_budget, now)
         budget = self._prefill_budget(plan, budget, now)

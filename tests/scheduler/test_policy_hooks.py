@@ -256,3 +256,29 @@ def test_a_bad_policy_is_a_clear_error(spec, message):
 
 def test_load_policy_returns_the_object_itself():
     assert load_policy("llmlab.policies:Priority") is Priority
+
+
+def test_a_policy_reads_the_load_from_its_view():
+    """policy.view (a SchedulerView, set every step): a load-aware admission decision. A long
+    prompt waits while two requests run; the view shows the queues and blocks as they are."""
+    class FewAtOnce(SchedulingPolicy):
+        def __init__(self):
+            self.seen = []
+
+        def admit(self, request, now):
+            view = self.view
+            self.seen.append((request.request_id, view.num_running, view.num_waiting, view.num_free_blocks))
+            assert view.running == tuple(view._scheduler.running) and view.token_budget == 64
+            assert view.num_device_blocks == 32 and view.block_size == 4
+            return len(request.prompt_token_ids) <= 8 or view.num_running < 2
+
+    policy = FewAtOnce()
+    scheduler = scheduler_with(policy, num_blocks=32)
+    for rid, length in (("1", 4), ("2", 4), ("3", 20), ("4", 4)):
+        add(scheduler, rid, length, float(rid), max_tokens=3)
+    assert policy.view is None
+    plans = [scheduled(step(scheduler, now=float(t))) for t in range(4)]
+    assert plans[0] == [("1", "prefill", 4), ("2", "prefill", 4), ("4", "prefill", 4)]   # 3 waits: two run
+    assert plans[3] == [("3", "prefill", 20)]                                             # once they are done
+    # (asked while some request runs; each admitted request holds its one block)
+    assert policy.seen[:3] == [("2", 1, 3, 31), ("3", 2, 2, 30), ("4", 2, 2, 30)]
