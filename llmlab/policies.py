@@ -64,7 +64,7 @@ The built-ins, by name (POLICIES; each also a class here):
                           arrival: under memory pressure the least important running request
                           is preempted first, and a newcomer that outranks a running request
                           preempts it when no slot or blocks are free (vLLM's priority
-                          scheduling). On a server every request has priority 0.
+                          scheduling). On a server, a request's `priority` field (vLLM's).
 
 Writing one: subclass SchedulingPolicy and override what you decide; the rest stays FCFS.
 
@@ -181,14 +181,16 @@ class ShortestOutputFirst(SchedulingPolicy):
 
 
 class Priority(SchedulingPolicy):
-    """`priorities`: request id -> priority (lower = more important; missing = 0)."""
+    """`priorities`: request id -> priority (lower = more important); a request not listed has
+    its own, `request.params.priority` (SamplingParams; a server request's `priority` field;
+    default 0)."""
     name = "priority"
 
     def __init__(self, priorities: dict[str, int] | None = None):
         self.priorities = dict(priorities or {})
 
     def key(self, request, now):
-        return (self.priorities.get(request.request_id, 0), request.arrival_time)
+        return (self.priorities.get(request.request_id, request.params.priority), request.arrival_time)
 
     def preempts_on_arrival(self, request, now):
         return True

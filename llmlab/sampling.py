@@ -27,6 +27,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None   # of each prompt token (the model's own scores) and the k most likely
     n: int = 1     # completions of the prompt: n requests (`fan_out`) that share its cached blocks
+    priority: int = 0   # for the `priority` policy: lower = more important (vLLM's request field)
 
     def __post_init__(self):
         self.validate()
@@ -63,6 +64,7 @@ class SamplingParams:
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
             ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
+            ("priority", _is_int(self.priority) and -2**31 <= self.priority < 2**31, "an integer in [-2**31, 2**31)"),
             ("logprobs", self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
              f"None or an integer in [0, {MAX_LOGPROBS}]"),
             ("prompt_logprobs", self.prompt_logprobs is None

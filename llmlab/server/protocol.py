@@ -1,7 +1,7 @@
 """The OpenAI wire format of requests: bodies (validated by pydantic) and errors.
 
 Field names and shapes follow the OpenAI API reference (and vLLM's extensions `top_k`,
-`min_p`, `ignore_eos`, `stop_token_ids` and `stream_options.continuous_usage_stats`), so the official `openai`
+`min_p`, `ignore_eos`, `stop_token_ids`, `priority` and `stream_options.continuous_usage_stats`), so the official `openai`
 client and tools built on it (lm-evaluation-harness, GuideLLM) work unchanged. A completion's
 `prompt` takes all four of OpenAI's forms (a string, a list of strings, a list of token ids,
 a list of token-id lists); `n` completions of each prompt; `logprobs` (completions: k, up to
@@ -124,6 +124,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False        # vLLM extension: benchmarks use it for exact output lengths
+    priority: int = 0               # vLLM extension: for `llmlab serve --policy priority`, lower first
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
     unsupported_fields: ClassVar[dict] = UNSUPPORTED_FIELDS
     logprobs_param: ClassVar[str] = "logprobs"    # the field that sets k (chat: top_logprobs)
@@ -201,7 +202,7 @@ class SamplingFields(BaseModel):
         fields = dict(max_tokens=requested if max_tokens is None else max_tokens, temperature=self.temperature,
                       top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                       stop=[] if self.stop is None else self.stop,   # "" is refused, as [""] is
-                      stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, n=self.n, logprobs=k,
+                      stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, priority=self.priority, n=self.n, logprobs=k,
                       prompt_logprobs=k if self.echo_prompt else None)
         if fields["max_tokens"] is None or self.prompt_only:
             # None: only checking the other fields, before the prompt is known; prompt_only: one token is run

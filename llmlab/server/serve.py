@@ -75,8 +75,8 @@ def add_arguments(parser) -> None:
                         help="run the engine on a thread of the server's process, not in an engine-core "
                              "process of its own (engine_process.py)")
     parser.add_argument("--policy", default="fcfs",
-                        help="the scheduling policy: fcfs, shortest_prompt_first, shortest_output_first, priority, "
-                             "or module:Name (a SchedulingPolicy, its class, or a key function; module may be "
+                        help="the scheduling policy: fcfs, shortest_prompt_first, shortest_output_first, priority "
+                             "(a request's `priority` field, lower first), or module:Name (a SchedulingPolicy, its class, or a key function; module may be "
                              "path/to/file.py) (default: %(default)s)")
     add_engine_arguments(parser)
 

@@ -11,6 +11,7 @@ import numpy as np
 from llmlab.config import EngineConfig
 from llmlab.experiments import CostModel, ExtrapolationWarning, Workload, simulate
 from llmlab.hooks import ScheduledRecord
+from llmlab.policies import PolicyError
 from llmlab.teach.check import AnswerError, choice, integer, number, right, run_student_code, wrong
 from llmlab.teach.data import data_file
 
@@ -37,9 +38,14 @@ def q1(answer):
     expected = admission_order(short_prompts_first_then_fcfs)
     try:
         got = admission_order(lambda request: run_student_code(answer, request))
-    except TypeError as error:      # the scheduler sorts by the keys
-        raise AnswerError(f"its keys cannot be compared with each other ({error}); return a number or a "
-                          f"tuple") from None
+    except PolicyError as error:    # the scheduler names the policy; what went wrong is the key's own
+        cause = error.__cause__
+        if isinstance(cause, AnswerError):     # not a function, ...
+            raise cause from None
+        if isinstance(cause, TypeError):       # the scheduler sorts by the keys
+            raise AnswerError(f"its keys cannot be compared with each other ({cause}); return a number or a "
+                              f"tuple") from None
+        raise cause from None
     if got == expected:
         return right("on a queue of 16 requests the simulator admitted them in the order asked for. A tuple "
                      "key sorts by its first element, then the second: one key function, two rules.")

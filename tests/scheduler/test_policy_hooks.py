@@ -282,3 +282,16 @@ def test_a_policy_reads_the_load_from_its_view():
     assert plans[3] == [("3", "prefill", 20)]                                             # once they are done
     # (asked while some request runs; each admitted request holds its one block)
     assert policy.seen[:3] == [("2", 1, 3, 31), ("3", 2, 2, 30), ("4", 2, 2, 30)]
+
+
+def test_priority_reads_a_requests_own_priority():
+    """The `priority` policy: a request's SamplingParams.priority (a server request's `priority`
+    field) where the policy's table does not list it; lower first, then arrival."""
+    scheduler = scheduler_with(Priority({"3": 5}), max_num_seqs=1)
+    for rid, priority in (("1", 0), ("2", -1), ("3", -9)):
+        scheduler.add(Request(rid, None, [5] * 4, SamplingParams(max_tokens=1, priority=priority),
+                              arrival_time=float(rid)))
+    order = [scheduled(step(scheduler, now=float(t)))[0][0] for t in range(3)]
+    assert order == ["2", "1", "3"]      # 3's table entry (5) wins over its own -9
+    with pytest.raises(ValueError, match="SamplingParams.priority must be an integer"):
+        SamplingParams(priority=1.5)

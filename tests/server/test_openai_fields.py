@@ -137,3 +137,12 @@ def test_an_ignored_fields_name_cannot_forge_a_log_line(url, caplog):
         assert chat(url, **{forged: 1, "y" * 5000: 1}).status_code == 200
     line = next(r.getMessage() for r in caplog.records if "ignored" in r.getMessage())
     assert "\n" not in line and "\x1b" not in line and len(line) < 500, line
+
+
+def test_a_requests_priority_reaches_the_policy():
+    """vLLM's `priority` request field: SamplingParams.priority, which `--policy priority` orders by."""
+    from llmlab.server.protocol import CompletionRequest, parse_json
+
+    body = parse_json(CompletionRequest, b'{"prompt": "Hi", "priority": -3, "n": 2}')
+    assert {p.priority for p in body.sampling_params(max_tokens=2).fan_out()} == {-3}
+    assert parse_json(CompletionRequest, b'{"prompt": "Hi", "priority": null}').sampling_params().priority == 0
