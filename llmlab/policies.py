@@ -268,14 +268,16 @@ def observe(policy: SchedulingPolicy, outcome: StepOutcome, now: float) -> Polic
 
 def sort_by_policy(policy: SchedulingPolicy, queue: list[Request], now: float) -> None:
     """Sort `queue` in place by the policy's key at `now` (smaller = more important); a key
-    that raises, or whose values do not compare, is a PolicyError naming the policy."""
-    def key(request):
-        return ask(policy, "key", request, now)
+    that raises, or whose values do not compare, is a PolicyError naming the policy. (The key
+    is called directly, not through `ask`: this runs every step over every running request.)"""
+    key = policy.key
     try:
-        queue.sort(key=key)
-    except TypeError as err:   # the comparisons, outside the key's call
-        raise PolicyError(f"policy {policy.name!r}: key(request, now) returned values that do not compare "
-                          f"with each other ({err}); return numbers, or tuples of them") from err
+        queue.sort(key=lambda request: key(request, now))
+    except Exception as err:   # noqa: BLE001 -- the key's own error, or its values' comparison
+        if isinstance(err, TypeError) and "not supported between" in str(err):
+            raise PolicyError(f"policy {policy.name!r}: key(request, now) returned values that do not compare with "
+                              f"each other ({err}); return numbers, or tuples of them") from err
+        raise PolicyError(f"policy {policy.name!r}: key(request, now) raised {type(err).__name__}: {err}") from err
 
 
 def resolve_policy(policy, workload: Workload | None = None) -> SchedulingPolicy:
