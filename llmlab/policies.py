@@ -87,8 +87,9 @@ a policy whose `key` ignores `now`. Wherever a policy is taken, `resolve_policy`
 name above, a SchedulingPolicy (or its class), a key function, or "module:Name" (Name in an
 importable module, or "path/to/file.py:Name"):
 `Scheduler(..., policy=)`, `LLMEngine(config, policy=)`, `experiments.run(workload, engine,
-policy=)`, `experiments.simulate(..., policy=)`, `llmlab serve --policy module:Name` and
-`llmlab bench simulate --policy module:Name`. A policy object keeps its state between runs:
+policy=)`, `experiments.simulate(..., policy=)`, `LLM(policy=)`, `llmlab serve --policy module:Name`,
+`llmlab bench simulate --policy module:Name` and `llmlab bench calibrate --policy` (both runs
+and the simulation it checks the cost model with). A policy object keeps its state between runs:
 give each run a new one if it adapts.
 """
 from __future__ import annotations

@@ -79,6 +79,10 @@ def add_arguments(parser) -> None:
                         help="profile the matrix products by rows and fit the cost model's dense term on it "
                              "(default: the preset's; on for cpu and tiny)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="fcfs",
+                        help="the scheduling policy of both runs and of the simulation (a name, or module:Name as "
+                             "llmlab serve --policy takes it): the report's error is the simulator's for this policy; "
+                             "each run gets a fresh one where the name or class makes one (default: %(default)s)")
     parser.add_argument("--repeat", action="store_true",
                         help="run the second workload twice: how far two real runs are apart is the floor "
                              "under the simulator's error on this machine")
@@ -124,7 +128,13 @@ def calibrate(args) -> dict:
     from llmlab.experiments.dense_profile import DenseProfile
     from llmlab.experiments.result import step_durations
 
+    from llmlab.policies import resolve_policy
+
     options = _options(args)
+    policy_name = resolve_policy(args.policy).name      # a bad --policy fails before the engine is built
+    # a name as it is (run() and simulate() give "priority" the workload's priorities); else a
+    # new object a run where module:Name names a class (a policy's state stays in its run)
+    policy = lambda: args.policy if ":" not in args.policy else resolve_policy(args.policy)   # noqa: E731
     if options.get("threads"):   # on a shared CPU, 1 thread avoids OpenMP spinning against other jobs
         torch.set_num_threads(options["threads"])
     os.makedirs(args.out, exist_ok=True)
@@ -144,7 +154,7 @@ def calibrate(args) -> dict:
         profile_seconds = time.perf_counter() - start
     _progress(f"engine ready; running the first workload ({len(fit)} requests over {fit.duration:.0f} s)")
     start = time.perf_counter()
-    fitted = run(fit, engine)
+    fitted = run(fit, engine, policy=policy())
     fit_seconds = time.perf_counter() - start
     load.append(os.getloadavg()[0])
     fitted.trace.meta.update(recorded_on=recorded_on(engine.device),
@@ -167,18 +177,18 @@ def calibrate(args) -> dict:
     _progress(f"cost model fitted: {cost_model}; running the second workload ({len(predict)} requests over "
               f"{predict.duration:.0f} s)")
     start = time.perf_counter()
-    measured = run(predict, engine)
+    measured = run(predict, engine, policy=policy())
     predict_seconds = time.perf_counter() - start
     load.append(os.getloadavg()[0])
     start = time.perf_counter()
-    simulated = simulate(predict, engine.config, cost_model)
+    simulated = simulate(predict, engine.config, cost_model, policy=policy())
     simulate_seconds = time.perf_counter() - start
     save_trace(measured.trace, os.path.join(args.out, "predict_trace.json.gz"))
     measured.save(os.path.join(args.out, "predict_measured.json"), trace=False)   # its trace is the file above
     repeat = None
     if args.repeat:
         _progress("running the second workload again")
-        repeat = run(predict, engine).summary()
+        repeat = run(predict, engine, policy=policy()).summary()
         load.append(os.getloadavg()[0])
     simulated.save(os.path.join(args.out, "predict_simulated.json"))
 
@@ -195,7 +205,7 @@ def calibrate(args) -> dict:
     a, b = measured.summary(), simulated.summary()
     report = {
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
-        "recorded_on": fitted.trace.meta["recorded_on"], "date": fitted.trace.meta["date"],
+        "recorded_on": fitted.trace.meta["recorded_on"], "date": fitted.trace.meta["date"], "policy": policy_name,
         "cost_model": cost_model.to_dict(),
         "seconds": {"profile": profile_seconds, "fit_run": fit_seconds, "predict_run": predict_seconds,
                     "simulate": simulate_seconds},
@@ -205,7 +215,7 @@ def calibrate(args) -> dict:
         "relative_error": {k: (b[k] - a[k]) / a[k] for k in REPORTED},
     }
     if linear_model is not None:
-        c = simulate(predict, engine.config, linear_model).summary()
+        c = simulate(predict, engine.config, linear_model, policy=policy()).summary()
         report["without_profile"] = {"cost_model": linear_model.to_dict(), "simulated": c,
                                      "predict_step_error": step_error(linear_model),
                                      "relative_error": {k: (c[k] - a[k]) / a[k] for k in REPORTED}}
@@ -255,7 +265,7 @@ def _progress(message: str) -> None:
 
 def format_report(report: dict) -> str:
     fit = report["cost_model"]["meta"]["fit"]
-    lines = [f"{report['recorded_on']}, {report['date']}",
+    lines = [f"{report['recorded_on']}, {report['date']}, policy {report.get('policy', 'fcfs')}",
              f"cost model fitted on {fit['num_steps']} steps ({fit['num_outliers']} outliers dropped): "
              f"median step error {fit['median_relative_error']:.1%}, p90 {fit['p90_relative_error']:.1%}",
              f"on the second workload's steps: median {report['predict_step_error'].get('median', float('nan')):.1%}, "

@@ -299,8 +299,11 @@ def test_bench_calibrate_writes_a_cost_model_and_a_report(tmp_path):
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
     calibrate.main(parser.parse_args(["--preset", "tiny", "--fit-requests", "12", "--fit-long-requests", "2",
-                                      "--predict-requests", "8", "--out", str(tmp_path)]))
+                                      "--predict-requests", "8", "--out", str(tmp_path),
+                                      "--policy", "shortest_prompt_first"]))
     report = json.loads((tmp_path / "report.json").read_text())
+    assert report["policy"] == "shortest_prompt_first"     # both runs and the simulation ran it
+    assert Result.load(tmp_path / "predict_simulated.json").meta["policy"] == "shortest_prompt_first"
     assert set(report["relative_error"]) >= {"ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"}
     errors = report["predict_step_error"]
     assert set(errors) == {"median", "p90", "bias"} and abs(errors["bias"]) <= errors["p90"]
